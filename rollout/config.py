@@ -18,6 +18,8 @@ class RolloutConfig:
     kv_cache_fraction: float = spec(0.5, gt=0, le=1, help="of free device memory")
     kv_cache_tokens: int = spec(0, ge=0, help="fixed KV cache size in tokens; 0 sizes it from memory")
     max_batch_size: int = spec(256, ge=1, help="concurrent sequences in continuous batching")
+    max_model_len: int = spec(4096, ge=2, help="longest sequence (prompt + new tokens) a cache slot holds")
+    max_prefill_tokens: int = spec(8192, ge=1, help="tokens per prefill forward; longer prompts are chunked")
     cuda_graphs: bool = True
     weight_sync_bucket_mb: int = spec(256, ge=1)
 

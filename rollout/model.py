@@ -1,0 +1,224 @@
+"""Forward passes of a Qwen3-MoE / Mixtral decoder over the slot KV cache: prefill (many sequences, flat tokens)
+and decode (one token per slot row, fixed shapes so a CUDA graph can capture it).
+
+Numerics follow transformers' modeling code (RMSNorm in fp32, RoPE tables in fp32 cast to the model dtype,
+router softmax in fp32, top-k then optional renormalisation), so greedy tokens, log-probs and routing match it.
+The experts run as two `torch._grouped_mm` calls over the routed (token, expert) pairs sorted by expert; the
+weighted sum over the k experts of a token is one batched matmul (deterministic, unlike an atomic index_add).
+Every function is free of host synchronisation (no `.item()`, no data-dependent shapes) in the decode path.
+
+Legend: T flat tokens, B decode rows (= cache slots), H hidden, C fused qkv width, N q heads, M kv heads,
+G q heads per kv head, D head dim, S attended positions, E experts, K top-k, R = T*K routed pairs,
+F FFN width, V vocab, L MoE layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rollout.kv_cache import KVCache
+from rollout.model_spec import MoeModelSpec
+from rollout.weights import LayerWeights, ModelWeights
+
+
+@dataclass(frozen=True)
+class PrefillPiece:
+    """A run of `length` prompt tokens of one sequence, at positions [start, start + length) of cache `slot`."""
+
+    slot: int
+    start: int
+    length: int
+
+
+def rope_tables(
+    spec: MoeModelSpec, num_positions: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [P, D] of the default RoPE, computed in fp32 as transformers does, then cast to the model dtype."""
+    d = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    freqs = torch.arange(num_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+
+
+def apply_rope(x_TND: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor) -> torch.Tensor:
+    """x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1) on the two halves of the head dimension."""
+    half = x_TND.shape[-1] // 2
+    rotated = torch.cat((-x_TND[..., half:], x_TND[..., :half]), dim=-1)
+    return x_TND * cos_TD[:, None, :] + rotated * sin_TD[:, None, :]
+
+
+class MoeDecoder:
+    """The model's forward passes; holds no state besides weights, cache and constant tables."""
+
+    def __init__(self, spec: MoeModelSpec, weights: ModelWeights, cache: KVCache) -> None:
+        self.spec = spec
+        self.weights = weights
+        self.cache = cache
+        device, dtype = weights.embed_VH.device, weights.embed_VH.dtype
+        self.cos_PD, self.sin_PD = rope_tables(spec, cache.max_model_len, device, dtype)
+        self.experts_E = torch.arange(spec.num_experts, device=device)
+        self.positions_P = torch.arange(cache.max_model_len, device=device)
+        self.rows_S = torch.arange(cache.num_slots, device=device)
+
+    # ----------------------------------------------------------------------------------------- shared pieces
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), w, self.spec.rms_norm_eps)
+
+    def _qkv(
+        self, layer: LayerWeights, h_TH: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.spec
+        qkv_TC = F.linear(h_TH, layer.qkv_CH, layer.qkv_bias_C)
+        q, k, v = qkv_TC.split((s.q_size, s.kv_size, s.kv_size), dim=-1)
+        q_TND = q.view(-1, s.num_heads, s.head_dim)
+        k_TMD = k.view(-1, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q_TND, k_TMD = self._norm(q_TND, layer.q_norm_D), self._norm(k_TMD, layer.k_norm_D)
+        q_TND = apply_rope(q_TND, cos_TD, sin_TD)
+        k_TMD = apply_rope(k_TMD, cos_TD, sin_TD)
+        return q_TND, k_TMD, v.view(-1, s.num_kv_heads, s.head_dim)
+
+    def _out_proj(self, layer: LayerWeights, attn_TQ: torch.Tensor, x_TH: torch.Tensor) -> torch.Tensor:
+        if layer.o_bias_H is not None:
+            return x_TH + F.linear(attn_TQ, layer.o_HQ, layer.o_bias_H)
+        return torch.addmm(x_TH, attn_TQ, layer.o_HQ.t())
+
+    def route(self, layer: LayerWeights, h_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k experts of each token: softmax(h W_r^T) in fp32, top-k, renormalised when the model says so."""
+        logits_TE = F.linear(h_TH, layer.router_EH)
+        probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        weights_TK, ids_TK = torch.topk(probs_TE, self.spec.top_k, dim=-1)
+        if self.spec.norm_topk_prob:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        return weights_TK, ids_TK
+
+    def experts(
+        self, layer: LayerWeights, h_TH: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor
+    ) -> torch.Tensor:
+        """sum_k w_tk * down_e(silu(gate_e h_t) * up_e h_t) with e = ids_tk, via grouped GEMMs sorted by expert."""
+        num_tokens, k = ids_TK.shape
+        f = self.spec.moe_ffn_size
+        sorted_ids_R, order_R = torch.sort(ids_TK.reshape(-1), stable=True)
+        offsets_E = torch.searchsorted(sorted_ids_R, self.experts_E, right=True, out_int32=True)
+        x_RH = h_TH[order_R // k]
+        gate_up_RF = torch._grouped_mm(x_RH, layer.gate_up_EFH.transpose(1, 2), offs=offsets_E)
+        act_RF = F.silu(gate_up_RF[:, :f]) * gate_up_RF[:, f:]
+        y_RH = torch._grouped_mm(act_RF, layer.down_EHF.transpose(1, 2), offs=offsets_E)
+        unsorted_RH = torch.empty_like(y_RH).index_copy_(0, order_R, y_RH)
+        mix_T1K = weights_TK.to(y_RH.dtype).unsqueeze(1)
+        return torch.bmm(mix_T1K, unsorted_RH.view(num_tokens, k, -1)).squeeze(1)
+
+    def _mlp(self, layer: LayerWeights, h_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if layer.router_EH is None:
+            f = self.spec.dense_ffn_size
+            gu = F.linear(h_TH, layer.dense_gate_up_FH)
+            return F.linear(F.silu(gu[:, :f]) * gu[:, f:], layer.dense_down_HF), None
+        weights_TK, ids_TK = self.route(layer, h_TH)
+        return self.experts(layer, h_TH, weights_TK, ids_TK), ids_TK
+
+    def logits(self, x_TH: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._norm(x_TH, self.weights.final_norm_H), self.weights.lm_head_VH).float()
+
+    # ----------------------------------------------------------------------------------------- decode
+    def decode(
+        self, tokens_B: torch.Tensor, positions_B: torch.Tensor, num_keys: int, routes_BLK: torch.Tensor
+    ) -> torch.Tensor:
+        """One token per row b (row = cache slot) at position positions_B[b]; attends to positions <= it among
+        the first `num_keys` of its slot. Writes the chosen experts into routes_BLK; returns fp32 logits [B, V]."""
+        s, cache = self.spec, self.cache
+        b = tokens_B.shape[0]
+        rows_B = self.rows_S[:b]
+        cos_BD, sin_BD = self.cos_PD[positions_B], self.sin_PD[positions_B]
+        mask_B11S = (self.positions_P[:num_keys][None, :] <= positions_B[:, None]).view(b, 1, 1, num_keys)
+        groups = s.num_heads // s.num_kv_heads
+        x_BH = self.weights.embed_VH[tokens_B]
+        moe_index = s.moe_layer_index
+        for i, layer in enumerate(self.weights.layers):
+            q_BND, k_BMD, v_BMD = self._qkv(layer, self._norm(x_BH, layer.input_norm_H), cos_BD, sin_BD)
+            cache.k_LSNPD[i][rows_B, :, positions_B] = k_BMD
+            cache.v_LSNPD[i][rows_B, :, positions_B] = v_BMD
+            # GQA without copying K/V: the G query heads of a kv head become G query rows of that head.
+            attn_BMGD = F.scaled_dot_product_attention(
+                q_BND.view(b, s.num_kv_heads, groups, s.head_dim),
+                cache.k_LSNPD[i, :b, :, :num_keys],
+                cache.v_LSNPD[i, :b, :, :num_keys],
+                attn_mask=mask_B11S,
+                scale=s.head_dim**-0.5,
+            )
+            x_BH = self._out_proj(layer, attn_BMGD.reshape(b, s.q_size), x_BH)
+            mlp_BH, ids_BK = self._mlp(layer, self._norm(x_BH, layer.post_norm_H))
+            x_BH = x_BH + mlp_BH
+            if ids_BK is not None:
+                routes_BLK[:, moe_index[i]].copy_(ids_BK)
+        return self.logits(x_BH)
+
+    # ----------------------------------------------------------------------------------------- prefill
+    def prefill(
+        self, tokens_T: torch.Tensor, pieces: list[PrefillPiece], last_index: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the flat tokens of `pieces` (concatenated in order) through the model, writing their K/V into the
+        cache. Returns fp32 logits [len(last_index), V] at the flat indices `last_index` and the routed experts
+        [T, L, K] (int64) of every token."""
+        s, cache = self.spec, self.cache
+        device = tokens_T.device
+        slots_T = torch.cat([torch.full((p.length,), p.slot, dtype=torch.long) for p in pieces]).to(device)
+        positions_T = torch.cat([torch.arange(p.start, p.start + p.length) for p in pieces]).to(device)
+        cos_TD, sin_TD = self.cos_PD[positions_T], self.sin_PD[positions_T]
+        routes_TLK = torch.empty(
+            tokens_T.shape[0], s.num_moe_layers, s.top_k, dtype=torch.long, device=device
+        )
+        x_TH = self.weights.embed_VH[tokens_T]
+        moe_index = s.moe_layer_index
+        for i, layer in enumerate(self.weights.layers):
+            q_TND, k_TMD, v_TMD = self._qkv(layer, self._norm(x_TH, layer.input_norm_H), cos_TD, sin_TD)
+            cache.k_LSNPD[i][slots_T, :, positions_T] = k_TMD
+            cache.v_LSNPD[i][slots_T, :, positions_T] = v_TMD
+            attn_TQ = self._prefill_attention(i, pieces, q_TND, k_TMD, v_TMD)
+            x_TH = self._out_proj(layer, attn_TQ, x_TH)
+            mlp_TH, ids_TK = self._mlp(layer, self._norm(x_TH, layer.post_norm_H))
+            x_TH = x_TH + mlp_TH
+            if ids_TK is not None:
+                routes_TLK[:, moe_index[i]] = ids_TK
+        return self.logits(x_TH[torch.tensor(last_index, device=device)]), routes_TLK
+
+    def _prefill_attention(
+        self,
+        layer_index: int,
+        pieces: list[PrefillPiece],
+        q_TND: torch.Tensor,
+        k_TMD: torch.Tensor,
+        v_TMD: torch.Tensor,
+    ) -> torch.Tensor:
+        """Causal attention of each piece over its sequence so far (earlier pieces are read from the cache)."""
+        s, cache = self.spec, self.cache
+        groups = s.num_heads // s.num_kv_heads
+        outs, offset = [], 0
+        for p in pieces:
+            q_1NTD = q_TND[offset : offset + p.length].transpose(0, 1).unsqueeze(0)
+            if p.start == 0:
+                k_MSD = k_TMD[offset : offset + p.length].transpose(0, 1)
+                v_MSD = v_TMD[offset : offset + p.length].transpose(0, 1)
+                mask, causal = None, True
+            else:
+                end = p.start + p.length
+                k_MSD = cache.k_LSNPD[layer_index, p.slot, :, :end]
+                v_MSD = cache.v_LSNPD[layer_index, p.slot, :, :end]
+                q_pos = torch.arange(p.start, end, device=q_TND.device)
+                mask = self.positions_P[:end][None, :] <= q_pos[:, None]
+                causal = False
+            # K/V expanded to all query heads so SDPA can use its fused kernels (no GQA support with masks).
+            out_1NTD = F.scaled_dot_product_attention(
+                q_1NTD,
+                k_MSD.repeat_interleave(groups, dim=0).unsqueeze(0),
+                v_MSD.repeat_interleave(groups, dim=0).unsqueeze(0),
+                attn_mask=mask,
+                is_causal=causal,
+                scale=s.head_dim**-0.5,
+            )
+            outs.append(out_1NTD[0].transpose(0, 1).reshape(p.length, s.q_size))
+            offset += p.length
+        return torch.cat(outs) if len(outs) > 1 else outs[0]

@@ -1,0 +1,82 @@
+"""Sampling parameters and the sampler: temperature, top-k, top-p, greedy, with per-request reproducible randomness.
+
+Randomness is counter based: the uniform number that picks token t of a request is a hash of (request seed,
+position t in the sequence), independent of which other requests share the batch, of the batch row and of
+whether the request was resumed from a prefix (a T-PPO window continues the same random stream). The token is
+drawn by inverse CDF: the first token whose cumulative probability exceeds u (float64 cumulative sums).
+
+Log-probs (the RL convention, what the trainer recomputes with logits / temperature): log softmax(logits / T)
+of the sampled token under the FULL temperature-scaled distribution, not the top-k/top-p truncated one. Greedy
+requests (temperature 0) report log softmax(logits) (T = 1). Top-k is applied before top-p, as in transformers;
+top-p keeps the smallest prefix of the sorted (top-k renormalised) distribution whose mass reaches top_p; tokens
+tied with the last kept logit are kept too.
+
+Legend: B rows, V vocab.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rollout.params import SamplingParams
+
+__all__ = ["SamplingParams", "counter_uniform", "sample", "top_k_top_p_mask"]
+
+
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser (Steele et al.), a bijective mixer of 64-bit integers."""
+    with np.errstate(over="ignore"):
+        x = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK64
+        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK64
+        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK64
+        return x ^ (x >> np.uint64(31))
+
+
+def counter_uniform(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """u in [0, 1) from (seed, counter) pairs: two rounds of splitmix64, top 53 bits as a float64."""
+    key = _splitmix64(seeds.astype(np.uint64))
+    bits = _splitmix64(key ^ counters.astype(np.uint64))
+    return (bits >> np.uint64(11)).astype(np.float64) / float(2**53)
+
+
+def top_k_top_p_mask(scaled_BV: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor:
+    """Boolean [B, V]: tokens kept by top-k (0 = all) and then top-p over the renormalised top-k distribution."""
+    vocab = scaled_BV.shape[-1]
+    sorted_BV, _ = torch.sort(scaled_BV, dim=-1, descending=True)
+    rank_V = torch.arange(vocab, device=scaled_BV.device)
+    k_B = torch.where(top_k_B > 0, top_k_B, vocab)
+    in_k_BV = rank_V[None, :] < k_B[:, None]
+    probs_BV = torch.softmax(sorted_BV.masked_fill(~in_k_BV, float("-inf")), dim=-1)
+    mass_before_BV = torch.cumsum(probs_BV, dim=-1) - probs_BV
+    keep_BV = in_k_BV & (mass_before_BV < top_p_B[:, None])
+    keep_BV[:, 0] = True
+    threshold_B = torch.where(keep_BV, sorted_BV, torch.full_like(sorted_BV, float("inf"))).amin(dim=-1)
+    return scaled_BV >= threshold_B[:, None]
+
+
+def sample(
+    logits_BV: torch.Tensor,
+    temperature_B: torch.Tensor,
+    top_k_B: torch.Tensor,
+    top_p_B: torch.Tensor,
+    uniform_B: torch.Tensor,
+    filtered: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [B] and their log-probs [B] (see the module docstring); `filtered` False skips the top-k/p sort."""
+    greedy_B = temperature_B <= 0
+    scaled_BV = logits_BV / torch.where(greedy_B, 1.0, temperature_B)[:, None]
+    logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
+    if filtered:
+        keep_BV = top_k_top_p_mask(scaled_BV, top_k_B, top_p_B)
+        probs_BV = torch.softmax(scaled_BV.masked_fill(~keep_BV, float("-inf")), dim=-1)
+    else:
+        probs_BV = logprobs_BV.exp()
+    cdf_BV = torch.cumsum(probs_BV, dim=-1, dtype=torch.float64)
+    target_B1 = (uniform_B * cdf_BV[:, -1]).unsqueeze(1)
+    drawn_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1).clamp_(max=logits_BV.shape[-1] - 1)
+    tokens_B = torch.where(greedy_B, logits_BV.argmax(dim=-1), drawn_B)
+    return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)

@@ -1,0 +1,104 @@
+"""Shared helpers of the rollout tests: tiny random Qwen3-MoE / Mixtral checkpoints saved as real HF folders,
+and transformers references (greedy generate, log-probs and the router's picks through forward hooks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
+
+
+def tiny_hf_config(arch: str, **overrides):
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    if arch == "qwen3_moe":
+        kw = dict(
+            vocab_size=96,
+            hidden_size=48,
+            intermediate_size=64,
+            moe_intermediate_size=24,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            max_position_embeddings=512,
+            rope_theta=10000.0,
+            initializer_range=0.1,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        kw.update(overrides)
+        return Qwen3MoeConfig(**kw)
+    kw = dict(
+        vocab_size=96,
+        hidden_size=48,
+        intermediate_size=24,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        initializer_range=0.1,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
+    kw.update(overrides)
+    return MixtralConfig(**kw)
+
+
+def save_tiny_model(arch: str, path: Path, seed: int = 0, **overrides):
+    """Build a tiny random HF model in fp32 and save it with save_pretrained; returns the model (eval mode)."""
+    from transformers import MixtralForCausalLM, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cls = Qwen3MoeForCausalLM if arch == "qwen3_moe" else MixtralForCausalLM
+    model = cls(tiny_hf_config(arch, **overrides)).float().eval()
+    model.save_pretrained(path)
+    return model
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos_token_id,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def hf_logprobs_and_routes(model, tokens: list[int], num_prompt: int) -> tuple[np.ndarray, np.ndarray]:
+    """log p(token_t | tokens_<t) for the generated tokens and the router's top-k ids [T, L, K] of every token,
+    from one full forward with hooks on the router modules."""
+    picks = []
+
+    def hook(_module, _inputs, output):
+        picks.append(output[2].detach().clone())
+
+    routers = [
+        m for name, m in model.named_modules() if name.endswith("mlp.gate") or name.endswith("moe.gate")
+    ]
+    handles = [m.register_forward_hook(hook) for m in routers]
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0].float()
+    finally:
+        for h in handles:
+            h.remove()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    gen = torch.tensor(tokens[num_prompt:])
+    lp = logprobs[num_prompt - 1 : len(tokens) - 1].gather(1, gen[:, None]).squeeze(1)
+    return lp.numpy(), torch.stack(picks, dim=1).numpy()
