@@ -183,7 +183,8 @@ class MoeDecoder:
             x_TH = x_TH + mlp_TH
             if ids_TK is not None:
                 routes_TLK[:, moe_index[i]] = ids_TK
-        return self.logits(x_TH[torch.tensor(last_index, device=device)]), routes_TLK
+        last_R = torch.tensor(last_index, dtype=torch.long, device=device)
+        return self.logits(x_TH[last_R]), routes_TLK
 
     def _prefill_attention(
         self,
