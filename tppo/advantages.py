@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -59,8 +60,10 @@ BOOTSTRAP_MODES = ("repeat_last", "exact")
 
 
 def _check_tensor(name: str, x: object) -> Tensor:
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x)
     if not isinstance(x, Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{name}: expected a torch.Tensor (or numpy array), got {type(x).__name__}")
     return x
 
 
@@ -133,13 +136,13 @@ def _reverse_discounted_cumsum(x_BT: Tensor, discount_B1: Tensor) -> Tensor:
     update, so the whole sum takes ceil(log2 T) passes. c^s is squared from pass to pass (it may underflow to 0,
     which is exactly the vanishing tail).
     """
-    y_BT = x_BT
+    y_BT = x_BT.clone()
     power_B1 = discount_B1
     num_tokens = x_BT.shape[1]
     offset = 1
     while offset < num_tokens:
-        head_BT = y_BT[:, :-offset] + power_B1 * y_BT[:, offset:]
-        y_BT = torch.cat([head_BT, y_BT[:, -offset:]], dim=1)
+        # the product is a new tensor, so the in-place add never reads what it has already overwritten
+        y_BT[:, :-offset] += power_B1 * y_BT[:, offset:]
         power_B1 = power_B1 * power_B1
         offset *= 2
     return y_BT
@@ -195,7 +198,8 @@ def egae(
     gamma = _check_unit("gamma", gamma)
     lam_B1 = _check_lam(lam, num_rows, values_BT.dtype, values_BT.device)
     tail_B = _tail_values(values_BT, valid_BT, finished_B, bootstrap, bootstrap_values)
-
+    if shape[1] == 0:
+        return values_BT.new_zeros(shape)
     lengths_B = valid_BT.sum(dim=1)
     positions_T = torch.arange(shape[1], device=values_BT.device)
     is_last_BT = positions_T.unsqueeze(0) == (lengths_B - 1).unsqueeze(1)
@@ -212,7 +216,9 @@ def _tail_values(
 ) -> Tensor:
     """The value after each row's last valid token: 0 when finished, else per `bootstrap`."""
     num_rows = values_BT.shape[0]
-    if bootstrap == "repeat_last":
+    if bootstrap == "repeat_last" and values_BT.shape[1] == 0:
+        cut_B = values_BT.new_zeros(num_rows)
+    elif bootstrap == "repeat_last":
         last_B = (valid_BT.sum(dim=1) - 1).clamp(min=0)
         cut_B = values_BT.gather(1, last_B.unsqueeze(1)).squeeze(1)
     elif bootstrap == "exact":

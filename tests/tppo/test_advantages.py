@@ -270,6 +270,14 @@ def test_length_one_windows_and_fully_padded_rows():
     assert torch.equal(padded, torch.zeros(2, 4))
 
 
+def test_empty_windows_and_numpy_inputs():
+    empty = egae(torch.zeros(2, 0), torch.zeros(2, 0), torch.zeros(2, 0), torch.tensor([True, False]))
+    assert empty.shape == (2, 0)
+    values = np.array([[0.5, 0.25]])
+    got = egae(np.zeros((1, 2)), values, np.ones((1, 2)), np.array([False]), gamma=1.0, lam=1.0)
+    torch.testing.assert_close(got, torch.tensor([[-0.25, 0.0]], dtype=torch.float64))
+
+
 def test_window_covering_the_whole_response_is_gae():
     """W >= L_max: every response finishes in its first window, and EGAE of that window is exactly GAE."""
     rng = np.random.default_rng(3)
