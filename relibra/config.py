@@ -13,7 +13,9 @@ class RelibraConfig:
 
     enabled: bool = True
     planner: str = spec("relibra", help="a registered planner name (relibra.planners)")
-    gpus_per_node: int = spec(8, ge=1, help="EP ranks that share a fast intra-node link")
+    gpus_per_node: int = spec(
+        8, ge=1, help="EP ranks per node (an EP group smaller than this sits in one node)"
+    )
     replica_slots: int = spec(2, ge=0, help="R: spare expert slots per EP rank")
     min_replica_tokens: int = spec(256, ge=0, help="no replica below this many (token, expert) pairs")
     imbalance_tolerance: float = spec(0.02, ge=0, help="eps of the replication greedy")
@@ -24,3 +26,11 @@ class RelibraConfig:
     history_decay: float = spec(0.9, ge=0, lt=1, help="moving average of eplb_history")
     cost_model: str | None = None
     microbatch_tokens: int = spec(256, ge=1, help="tokens per micro-batch when cutting token-order logs")
+    # Knobs of the planners in relibra.planners (added with the planners; defaults are ours).
+    seed: int = spec(0, ge=0, help="seeds the planners' random streams (plans are deterministic)")
+    anneal_candidates: int = spec(16, ge=1, help="swaps evaluated per annealing move (best one proposed)")
+    reorder_node_weight: float = spec(1.0, ge=0, help="alpha: smoothed max node load / gpus per node")
+    reorder_gpu_weight: float = spec(0.25, ge=0, help="alpha': smoothed max GPU load")
+    reorder_comm_weight: float = spec(1.0, ge=0, help="beta: smoothed max cross-node dispatch time")
+    reorder_migration_weight: float = spec(1.0, ge=0, help="gamma: time to migrate moved experts' state")
+    eplb_num_groups: int = spec(0, ge=0, help="EPLB expert groups; 0 = one group per expert")

@@ -64,7 +64,8 @@ class OptimConfig:
     lr: float = spec(1e-6, gt=0)
     min_lr: float = spec(0.0, ge=0)
     weight_decay: float = spec(0.0, ge=0)
-    betas: list[float] = spec([0.9, 0.999])
+    beta1: float = spec(0.9, ge=0, lt=1)
+    beta2: float = spec(0.999, ge=0, lt=1)
     eps: float = spec(1e-8, gt=0)
     grad_clip: float = spec(1.0, ge=0, help="0 disables clipping")
     warmup_steps: int = spec(0, ge=0)
@@ -181,8 +182,10 @@ def _model_rules(c: ExperimentConfig) -> str | None:
     if m.moe_topk > m.num_experts:
         return f"model.moe_topk={m.moe_topk} exceeds model.num_experts={m.num_experts}"
     if m.num_attention_heads % m.num_query_groups:
-        return (f"model.num_attention_heads={m.num_attention_heads} must be a multiple of "
-                f"model.num_query_groups={m.num_query_groups}")
+        return (
+            f"model.num_attention_heads={m.num_attention_heads} must be a multiple of "
+            f"model.num_query_groups={m.num_query_groups}"
+        )
     if m.first_k_dense >= m.num_layers:
         return f"model.first_k_dense={m.first_k_dense} leaves no MoE layer of model.num_layers={m.num_layers}"
     return None
@@ -192,16 +195,22 @@ def _parallel_rules(c: ExperimentConfig) -> str | None:
     p, m = c.parallel, c.model
     world = c.cluster.policy_ranks
     if world % (p.tensor_parallel * p.pipeline_parallel):
-        return (f"cluster.policy_ranks={world} is not divisible by parallel.tensor_parallel x "
-                f"parallel.pipeline_parallel = {p.tensor_parallel * p.pipeline_parallel}")
+        return (
+            f"cluster.policy_ranks={world} is not divisible by parallel.tensor_parallel x "
+            f"parallel.pipeline_parallel = {p.tensor_parallel * p.pipeline_parallel}"
+        )
     data_x_tensor = world // p.pipeline_parallel
     if data_x_tensor % p.expert_parallel:
-        return (f"parallel.expert_parallel={p.expert_parallel} must divide the data x tensor ranks "
-                f"({data_x_tensor} of cluster.policy_ranks={world})")
+        return (
+            f"parallel.expert_parallel={p.expert_parallel} must divide the data x tensor ranks "
+            f"({data_x_tensor} of cluster.policy_ranks={world})"
+        )
     if m.num_experts % p.expert_parallel:
         return f"model.num_experts={m.num_experts} is not divisible by parallel.expert_parallel={p.expert_parallel}"
     if m.num_attention_heads % p.tensor_parallel or m.num_query_groups % p.tensor_parallel:
-        return f"parallel.tensor_parallel={p.tensor_parallel} must divide the attention heads and query groups"
+        return (
+            f"parallel.tensor_parallel={p.tensor_parallel} must divide the attention heads and query groups"
+        )
     moe_layers = m.num_layers - m.first_k_dense
     if p.pipeline_parallel > m.num_layers:
         return f"parallel.pipeline_parallel={p.pipeline_parallel} exceeds model.num_layers={m.num_layers}"
@@ -217,8 +226,10 @@ def _algo_rules(c: ExperimentConfig) -> str | None:
     if a.estimator == "grpo" and a.group_size < 2:
         return "algo.estimator=grpo needs algo.group_size >= 2"
     if a.max_response_length > c.model.max_position_embeddings:
-        return (f"algo.max_response_length={a.max_response_length} exceeds "
-                f"model.max_position_embeddings={c.model.max_position_embeddings}")
+        return (
+            f"algo.max_response_length={a.max_response_length} exceeds "
+            f"model.max_position_embeddings={c.model.max_position_embeddings}"
+        )
     if a.overlong_buffer >= a.max_response_length:
         return f"algo.overlong_buffer={a.overlong_buffer} must be below algo.max_response_length"
     return None
@@ -232,16 +243,22 @@ def _cluster_rules(c: ExperimentConfig) -> str | None:
     if gpus and cl.placement == "colocated" and cl.policy_ranks > gpus:
         return f"cluster.policy_ranks={cl.policy_ranks} exceeds the {gpus} GPUs of the cluster"
     if gpus and cl.placement == "separate" and cl.policy_ranks + cl.critic_ranks + cl.rollout_workers > gpus:
-        return (f"separate placement needs policy_ranks + critic_ranks + rollout_workers = "
-                f"{cl.policy_ranks + cl.critic_ranks + cl.rollout_workers} GPUs; the cluster has {gpus}")
+        return (
+            f"separate placement needs policy_ranks + critic_ranks + rollout_workers = "
+            f"{cl.policy_ranks + cl.critic_ranks + cl.rollout_workers} GPUs; the cluster has {gpus}"
+        )
     if cl.num_nodes > 1 and gpus and cl.policy_ranks % cl.num_nodes:
         return f"cluster.policy_ranks={cl.policy_ranks} cannot be spread evenly over cluster.num_nodes={cl.num_nodes}"
-    if c.relibra.enabled and c.relibra.gpus_per_node > p.expert_parallel:
-        return (f"relibra.gpus_per_node={c.relibra.gpus_per_node} exceeds parallel.expert_parallel="
-                f"{p.expert_parallel}")
-    if c.relibra.enabled and p.expert_parallel % c.relibra.gpus_per_node:
-        return (f"parallel.expert_parallel={p.expert_parallel} is not a multiple of "
-                f"relibra.gpus_per_node={c.relibra.gpus_per_node}")
+    # An EP group smaller than a node lives inside one node; a larger one must span whole nodes.
+    if (
+        c.relibra.enabled
+        and p.expert_parallel > c.relibra.gpus_per_node
+        and p.expert_parallel % c.relibra.gpus_per_node
+    ):
+        return (
+            f"parallel.expert_parallel={p.expert_parallel} is not a multiple of "
+            f"relibra.gpus_per_node={c.relibra.gpus_per_node}"
+        )
     return None
 
 

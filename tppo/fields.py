@@ -16,12 +16,18 @@ class ConfigError(ValueError):
     """A configuration value is out of range, of the wrong kind, or inconsistent with another one."""
 
 
-def spec(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-         lt: float | None = None, choices: tuple[Any, ...] | None = None, help: str = "") -> Any:
+def spec(
+    default: Any,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    choices: tuple[Any, ...] | None = None,
+    help: str = "",
+) -> Any:
     """A dataclass field whose allowed values are declared beside it (checked by `check_fields`)."""
     meta = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "help": help}
-    if isinstance(default, list | dict):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -29,8 +35,11 @@ def _allowed(meta: dataclasses.Field) -> str:
     m = meta.metadata
     if m.get("choices") is not None:
         return "one of " + ", ".join(repr(c) for c in m["choices"])
-    parts = [f"{op} {m[key]}" for key, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
-             if m.get(key) is not None]
+    parts = [
+        f"{op} {m[key]}"
+        for key, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+        if m.get(key) is not None
+    ]
     return "a value " + " and ".join(parts)
 
 
@@ -43,8 +52,12 @@ def _violates(value: Any, m: dict[str, Any]) -> bool:
         return False
     if isinstance(value, float) and math.isnan(value):
         return True
-    return ((m.get("ge") is not None and value < m["ge"]) or (m.get("gt") is not None and value <= m["gt"])
-            or (m.get("le") is not None and value > m["le"]) or (m.get("lt") is not None and value >= m["lt"]))
+    return (
+        (m.get("ge") is not None and value < m["ge"])
+        or (m.get("gt") is not None and value <= m["gt"])
+        or (m.get("le") is not None and value > m["le"])
+        or (m.get("lt") is not None and value >= m["lt"])
+    )
 
 
 def check_fields(obj: Any, prefix: str = "") -> None:

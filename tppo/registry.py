@@ -1,11 +1,11 @@
 """Name -> function registries, so that recipes select estimators, losses, planners and rewards by config.
 
-    ADVANTAGES = Registry("advantage estimator")
+ADVANTAGES = Registry("advantage estimator")
 
-    @ADVANTAGES.register("egae")
-    def egae(...): ...
+@ADVANTAGES.register("egae")
+def egae(...): ...
 
-    ADVANTAGES.get("egae")   # unknown names raise KeyError listing the registered ones
+ADVANTAGES.get("egae")   # unknown names raise KeyError listing the registered ones
 """
 
 from __future__ import annotations
