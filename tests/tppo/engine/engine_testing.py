@@ -1,0 +1,117 @@
+"""Helpers for the engine tests: tiny Hugging Face MoE checkpoints and multi-process gloo runs."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_PRELOAD = ["torch", "tppo.engine.engine", "tppo.engine.convert"]
+
+
+def make_hf_checkpoint(
+    path: str,
+    arch: str,
+    *,
+    seed: int = 0,
+    num_layers: int = 2,
+    first_k_dense: int = 0,
+    tie: bool = False,
+    vocab: int = 96,
+) -> str:
+    """Save a tiny random Qwen3-MoE or Mixtral checkpoint made by transformers itself (fp32)."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts_per_tok=2,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        initializer_range=0.1,
+    )
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        cfg = Qwen3MoeConfig(
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_experts=4,
+            norm_topk_prob=True,
+            mlp_only_layers=list(range(first_k_dense)),
+            decoder_sparse_step=1,
+            rope_theta=10000.0,
+            **common,
+        )
+        model = Qwen3MoeForCausalLM(cfg)
+    else:
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        cfg = MixtralConfig(intermediate_size=16, num_local_experts=4, rope_theta=1e6, **common)
+        model = MixtralForCausalLM(cfg)
+    model.save_pretrained(path)
+    return path
+
+
+def _child(target: Callable, rank: int, world: int, port: int, args: tuple, results) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    try:
+        results.put((rank, "ok", target(rank, *args)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(target: Callable, world: int, *args: Any, timeout_s: float = 240.0) -> list[Any]:
+    """Run target(rank, *args) in `world` fresh processes joined over gloo; return the results by rank.
+
+    Processes fork from a forkserver that imported torch and the engine once. A failure in any rank, or a
+    run past `timeout_s`, raises with the ranks' tracebacks; nothing is left running.
+    """
+    from tppo.engine.parallel import free_port
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(target, r, world, port, args, results), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors = []
+    try:
+        for _ in range(world):
+            rank, status, value = results.get(timeout=timeout_s)
+            if status == "error":
+                errors.append(f"rank {rank}:\n{value}")
+                break
+            out[rank] = value
+    except queue.Empty:
+        errors.append(f"ranks {sorted(set(range(world)) - set(out))} did not finish within {timeout_s} s")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [out[r] for r in range(world)]

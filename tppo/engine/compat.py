@@ -1,0 +1,188 @@
+"""Run Megatron-Core 0.16.1 on a machine without CUDA: an explicit, minimal set of patches.
+
+Megatron-Core assumes a CUDA device in a handful of places that the CPU tests and CI reach. Each patch
+below is listed in `PATCHES` with the reason it exists; `enable_cpu_compat()` applies them only when
+CUDA is absent (it refuses otherwise), is idempotent, and reports what it applied. Nothing here changes
+the mathematics: it only lets device bookkeeping (current device, streams, events, the CUDA RNG state
+saved by activation recompute) degrade to the CPU.
+
+Parts of running on CPU that are not patches live where they belong: the core attention on torch SDPA
+(`tppo.engine.model`), the allgather token dispatcher on CPU (`tppo.engine.model`), and a torch AdamW in
+place of Megatron's CUDA-only optimizer (`tppo.engine.engine`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PATCHES", "compat_active", "enable_cpu_compat"]
+
+
+class _NoStream:
+    """Stands in for torch.cuda.Stream: CPU work is synchronous, so waiting and recording are no-ops."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _NoEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _NoStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+class _NoEvent:
+    """Stands in for torch.cuda.Event."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+_CURRENT_STREAM = _NoStream()
+
+
+def _patch_current_device() -> None:
+    # Megatron allocates buffers with device=torch.cuda.current_device(); on CPU they belong on the CPU.
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+def _patch_streams_events() -> None:
+    # The token dispatchers, DDP and shared experts create side streams and events for overlap.
+    torch.cuda.Stream = _NoStream
+    torch.cuda.Event = _NoEvent
+    torch.cuda.current_stream = lambda device=None: _CURRENT_STREAM
+    torch.cuda.default_stream = lambda device=None: _CURRENT_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.is_current_stream_capturing = lambda: False
+
+
+def _patch_te_general_gemm() -> None:
+    # 0.16.1 reads moe_utils.te_general_gemm in the router's gating linear, but only defines the name
+    # when transformer-engine imports; without it the router raises NameError.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _patch_cuda_rng_state() -> None:
+    # Activation recompute (tensor_parallel.checkpoint) saves and restores the CUDA RNG state and the
+    # model-parallel RNG tracker's states. On CPU there is no CUDA generator: the CPU generator (which
+    # the checkpoint function saves separately) is the only one in use, so these become no-ops.
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.zeros(0, dtype=torch.uint8)
+    mp_random._set_cuda_rng_state = lambda *args, **kwargs: None
+    torch.cuda.get_rng_state = lambda device="cuda": torch.zeros(0, dtype=torch.uint8)
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": None
+    tracker_cls = mp_random.CudaRNGStatesTracker
+    tracker_cls.get_states = lambda self: {}
+    tracker_cls.set_states = lambda self, states: None
+    tracker_cls.add = lambda self, name, seed: self.seeds_.add(seed)
+    tracker_cls.fork = lambda self, name="model-parallel-rng": contextlib.nullcontext()
+
+
+class _CpuTorch:
+    """The torch module as seen by Megatron's pipeline schedules, with device="cuda" read as the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            device = "cpu"
+        return torch.zeros(*args, device=device, **kwargs)
+
+
+def _patch_schedules_cuda_literal() -> None:
+    # The forward/backward schedules allocate their token counter with device="cuda" (a literal, not
+    # current_device()); that one module sees a torch whose zeros() maps "cuda" to the CPU.
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _CpuTorch()
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    why: str
+    apply: Callable[[], None]
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch("current_device", "torch.cuda.current_device() -> the CPU device", _patch_current_device),
+    Patch("streams_events", "CUDA streams/events used for overlap become no-ops", _patch_streams_events),
+    Patch(
+        "te_general_gemm",
+        "define moe_utils.te_general_gemm = None (0.16.1 bug without TE)",
+        _patch_te_general_gemm,
+    ),
+    Patch("cuda_rng_state", "recompute's CUDA RNG state save/restore become no-ops", _patch_cuda_rng_state),
+    Patch(
+        "schedules_cuda_literal",
+        'pipeline schedules\' device="cuda" token counter on the CPU',
+        _patch_schedules_cuda_literal,
+    ),
+)
+
+_applied: list[str] = []
+
+
+def compat_active() -> bool:
+    """True once the CPU patches are applied in this process."""
+    return bool(_applied)
+
+
+def enable_cpu_compat() -> list[str]:
+    """Apply every patch of `PATCHES` once; return their names. Refuses when CUDA is available."""
+    if torch.cuda.is_available():
+        raise RuntimeError("the CPU compatibility layer must not be enabled when CUDA is available")
+    if not _applied:
+        for patch in PATCHES:
+            patch.apply()
+            _applied.append(patch.name)
+    return list(_applied)
+
+
+def maybe_enable_cpu_compat() -> bool:
+    """Enable the CPU patches iff CUDA is absent; return whether they are active."""
+    if torch.cuda.is_available():
+        return False
+    enable_cpu_compat()
+    return True

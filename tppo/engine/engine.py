@@ -1,0 +1,692 @@
+"""The training engine: one Megatron-Core MoE model (policy or critic) with its optimizer, behind a small API.
+
+    engine = MegatronEngine(model_cfg, parallel_cfg, optim_cfg, role="policy")
+    outs = engine.forward(batches, with_entropy=True)            # per-token log-probs (no grad)
+    result = engine.train_step(batches, loss_fn)                  # forward + backward + optimizer step
+    engine.offload(); ...; engine.onload()                        # colocated rollout
+    sd = engine.state_dict(); engine.load_state_dict(sd)          # checkpoints
+    engine.export_hf(out_dir); engine.iter_hf_weights(bucket)     # logical expert order
+
+Every rank of the trainer calls the same methods with its own micro-batches (ranks of one data-parallel
+replica, i.e. TP and PP peers, must pass the same ones). Micro-batches run through Megatron's
+forward/backward schedule (1F1B with pipeline parallelism); the loss callable sees per-token outputs on
+the last pipeline stage and returns a `LossOutput` whose gradient convention is
+grad(sum loss_sum) / sum denominator over the whole step (Megatron's per-token loss mode).
+
+On GPU: bf16 parameters, Megatron's distributed optimizer (fp32 master weights, Adam) and alltoall token
+dispatch. On CPU (tests, CI): fp32, the allgather dispatcher, and torch's AdamW behind the same interface;
+Megatron's DDP accumulates gradients in `param.main_grad`, so the CPU optimizer is handed main_grad
+before every step (otherwise it would silently never move the weights). Gradient clipping, the LR
+schedule and the non-finite-gradient skip are ours on both devices.
+
+Legend: B sequences, T tokens, S tokens after padding for sequence parallelism, V vocabulary slice of
+this TP rank, L MoE layers, K top-k, N tokens as a router sees them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from tppo.config import ModelConfig, OptimConfig, ParallelConfig
+from tppo.engine.batch import ForwardOutput, LossOutput, StepResult, TrainBatch, to_device
+from tppo.engine.logprobs import token_logprobs_entropy
+from tppo.engine.model import BuiltModel, build_model, moe_layer_ids
+from tppo.engine.offload import StorageOffloader
+from tppo.engine.parallel import ParallelGroups, init_parallel
+from tppo.engine.replay import RouterReplayAction, check_routed_experts
+from tppo.registry import Registry
+
+__all__ = ["LR_SCHEDULES", "MegatronEngine", "lr_at"]
+
+LossFn = Callable[[ForwardOutput, TrainBatch], LossOutput]
+
+LR_SCHEDULES: Registry[Callable[[int, OptimConfig, int | None], float]] = Registry("LR schedule")
+
+
+def _warmup(step: int, cfg: OptimConfig) -> float | None:
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    return None
+
+
+@LR_SCHEDULES.register("constant")
+def constant_lr(step: int, cfg: OptimConfig, total_steps: int | None) -> float:
+    """lr_s = lr (s+1)/W for s < W warm-up steps, then lr."""
+    warm = _warmup(step, cfg)
+    return cfg.lr if warm is None else warm
+
+
+@LR_SCHEDULES.register("cosine")
+def cosine_lr(step: int, cfg: OptimConfig, total_steps: int | None) -> float:
+    """Warm-up as `constant`, then lr_s = min + (lr - min) (1 + cos(pi (s-W)/(S-W))) / 2, held at min after S."""
+    if not total_steps:
+        raise ValueError("the cosine LR schedule needs total_steps (optimizer steps of the run)")
+    warm = _warmup(step, cfg)
+    if warm is not None:
+        return warm
+    span = max(total_steps - cfg.warmup_steps, 1)
+    frac = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int | None = None) -> float:
+    """Learning rate of optimizer step `step` (0-based) under `cfg.schedule`."""
+    return LR_SCHEDULES.get(cfg.schedule)(step, cfg, total_steps)
+
+
+@dataclass
+class _MicroBatch:
+    """A TrainBatch prepared for this rank: device tensors, padding for SP, this stage's replay ids."""
+
+    batch: TrainBatch
+    input_ids_BS: torch.Tensor
+    num_tokens: int  # T before padding
+    packed_seq_params: object | None
+    padding_mask_BS: torch.Tensor | None
+    replay_NK: list[torch.Tensor] | None
+    record: bool
+    recorded_BTLK: torch.Tensor | None = None
+
+
+class MegatronEngine:
+    """A policy (log-probs) or critic (values) model on Megatron-Core with its optimizer and LR schedule."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        parallel_cfg: ParallelConfig,
+        optim_cfg: OptimConfig,
+        *,
+        role: str = "policy",
+        total_steps: int | None = None,
+        seed: int = 0,
+        experts: str = "grouped",
+        load_weights: bool = True,
+        dispatcher: str | None = None,
+    ) -> None:
+        if role not in ("policy", "critic"):
+            raise ValueError(f"role must be 'policy' or 'critic', got {role!r}")
+        self.model_cfg, self.parallel_cfg, self.optim_cfg = model_cfg, parallel_cfg, optim_cfg
+        self.role, self.total_steps = role, total_steps
+        self.groups: ParallelGroups = init_parallel(parallel_cfg)
+        self.cuda = self.groups.device.type == "cuda"
+        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[model_cfg.dtype]
+        if self.dtype == torch.bfloat16 and not self.cuda:
+            raise ValueError("model.dtype=bfloat16 needs CUDA; CPU runs train in float32")
+        if model_cfg.vocab_size % self.groups.tp_size:
+            raise ValueError(
+                f"vocab_size={model_cfg.vocab_size} is not divisible by tensor_parallel={self.groups.tp_size}"
+            )
+        torch.manual_seed(seed)
+        self.built: BuiltModel = build_model(
+            model_cfg,
+            parallel_cfg,
+            pp_rank=self.groups.pp_rank,
+            pp_size=self.groups.pp_size,
+            cuda=self.cuda,
+            dtype=self.dtype,
+            value_head=role == "critic",
+            experts=experts,
+            dispatcher=dispatcher,
+        )
+        self.ddp = self._wrap_ddp(self.built)
+        self.module = self.built.model
+        self.config = self.built.config
+        self.num_moe_layers = len(moe_layer_ids(model_cfg))
+        self._armed = None
+        self.module.decoder.register_forward_pre_hook(self._decoder_pre_hook, with_kwargs=True)
+        if load_weights and model_cfg.hf_path:
+            from tppo.engine.convert import load_hf_checkpoint
+
+            load_hf_checkpoint(self, model_cfg.hf_path)
+        self.optimizer = self._build_optimizer()
+        self.step_count = 0
+        self._offloader = StorageOffloader()
+
+    # ----------------------------------------------------------------- construction
+    def _wrap_ddp(self, built: BuiltModel):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.cuda,
+            check_for_nan_in_grad=False,
+        )
+        ddp = DistributedDataParallel(built.config, ddp_config, built.model)
+        cfg = built.config
+        cfg.finalize_model_grads_func = finalize_model_grads
+        cfg.no_sync_func = ddp.no_sync
+        cfg.grad_scale_func = None
+        cfg.variable_seq_lengths = self.groups.pp_size > 1
+        return ddp
+
+    def _build_optimizer(self):
+        o = self.optim_cfg
+        if self.cuda:
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            ocfg = OptimizerConfig(
+                optimizer="adam",
+                lr=o.lr,
+                min_lr=o.min_lr,
+                weight_decay=o.weight_decay,
+                adam_beta1=o.beta1,
+                adam_beta2=o.beta2,
+                adam_eps=o.eps,
+                clip_grad=o.grad_clip,
+                bf16=self.dtype == torch.bfloat16,
+                params_dtype=self.dtype,
+                use_distributed_optimizer=True,
+            )
+            return get_megatron_optimizer(ocfg, [self.ddp])
+        decay = [p for _, p in self._trainable() if p.dim() > 1]
+        no_decay = [p for _, p in self._trainable() if p.dim() <= 1]
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+        )
+
+    def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    @property
+    def moe_layers(self):
+        """This stage's RoutedMoELayer modules in layer order (ReLibra's executor hooks in here)."""
+        return self.built.moe_layers
+
+    @property
+    def replay(self):
+        return self.built.replay
+
+    # ----------------------------------------------------------------- batches
+    def _prepare(self, batch: TrainBatch, *, record: bool, require_replay: bool) -> _MicroBatch:
+        batch.validate()
+        dev = self.groups.device
+        batch = to_device(batch, dev)
+        if batch.payload is not None:
+            batch.payload = to_device(batch.payload, dev)
+        b, t = batch.shape
+        multiple = self.groups.tp_size if self.config.sequence_parallel else 1
+        s = -(-t // multiple) * multiple
+        ids = batch.input_ids_BT.long()
+        if s != t:
+            ids = torch.cat([ids, ids.new_zeros(b, s - t)], dim=1)
+        valid = batch.valid_BT()
+        if s != t:
+            valid = torch.cat([valid, valid.new_zeros(b, s - t)], dim=1)
+        packed = self._packed_params(batch, s) if batch.packed else None
+        padding = (~valid) if (not batch.packed and self.groups.tp_size == 1) else None
+        if record and batch.routed_experts_BTLK is not None:
+            raise ValueError("a batch cannot both record routing and replay routed_experts_BTLK")
+        if require_replay and batch.routed_experts_BTLK is None:
+            raise ValueError("routing replay is required but the batch has no routed_experts_BTLK")
+        replay = self._replay_ids(batch, s, valid) if batch.routed_experts_BTLK is not None else None
+        return _MicroBatch(
+            batch=batch,
+            input_ids_BS=ids,
+            num_tokens=t,
+            packed_seq_params=packed,
+            padding_mask_BS=padding,
+            replay_NK=replay,
+            record=record,
+        )
+
+    @staticmethod
+    def _packed_params(batch: TrainBatch, s: int):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = batch.cu_seqlens.to(device=batch.input_ids_BT.device, dtype=torch.int32)
+        if int(cu[-1]) < s:  # trailing padding runs as one more (ignored) segment
+            cu = torch.cat([cu, cu.new_tensor([s])])
+        longest = int((cu[1:] - cu[:-1]).max())
+        return PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+        )
+
+    def _replay_ids(self, batch: TrainBatch, s: int, valid_BS: torch.Tensor) -> list[torch.Tensor]:
+        """Per local MoE layer, the replayed ids [N, K] in the router's (sequence-first) token order."""
+        m = self.model_cfg
+        routed = batch.routed_experts_BTLK
+        check_routed_experts(
+            routed,
+            batch_shape=batch.shape,
+            num_moe_layers=self.num_moe_layers,
+            topk=m.moe_topk,
+            num_experts=m.num_experts,
+            valid_BT=batch.valid_BT(),
+        )
+        b, t = batch.shape
+        routed = routed.long()
+        if s != t:
+            routed = torch.cat([routed, routed.new_zeros(b, s - t, *routed.shape[2:])], dim=1)
+        # Padding tokens never reach a real token's output; give them distinct valid ids.
+        fill = torch.arange(m.moe_topk, device=routed.device).expand_as(routed)
+        routed = torch.where(valid_BS[:, :, None, None], routed, fill)
+        per_layer = []
+        for layer in self.replay.moe_layer_ids:
+            ids_SBK = routed[:, :, layer, :].transpose(0, 1)
+            if self.config.sequence_parallel:
+                chunk = s // self.groups.tp_size
+                ids_SBK = ids_SBK[self.groups.tp_rank * chunk : (self.groups.tp_rank + 1) * chunk]
+            per_layer.append(ids_SBK.reshape(-1, m.moe_topk).contiguous())
+        return per_layer
+
+    # ----------------------------------------------------------------- one micro-batch through the model
+    def _arm_routing(self, mb: _MicroBatch) -> None:
+        replay = self.replay
+        if mb.replay_NK is not None:
+            replay.clear_targets()
+            replay.set_targets(mb.replay_NK)
+            replay.set_action(RouterReplayAction.REPLAY_FORWARD)
+        elif mb.record:
+            replay.clear()
+            replay.set_action(RouterReplayAction.RECORD)
+        else:
+            replay.set_action(None)
+        self._armed = replay if (mb.replay_NK is not None and torch.is_grad_enabled()) else None
+
+    def _decoder_pre_hook(self, module, args, kwargs):
+        if self._armed is None:
+            return None
+        from tppo.engine.replay import mark_backward_end
+
+        hidden = kwargs.get("hidden_states")
+        if hidden is None:
+            module.input_tensor = mark_backward_end(module.input_tensor, self._armed)
+            return None
+        kwargs["hidden_states"] = mark_backward_end(hidden, self._armed)
+        return args, kwargs
+
+    def _forward_step(
+        self, data_iterator: Iterator[_MicroBatch], model, *, loss_fn: LossFn | None, with_entropy: bool
+    ):
+        mb = next(data_iterator)
+        self._arm_routing(mb)
+        output = model(
+            mb.input_ids_BS,
+            None,
+            None,
+            packed_seq_params=mb.packed_seq_params,
+            padding_mask=mb.padding_mask_BS,
+        )
+        if mb.record:
+            mb.recorded_BTLK = self._recorded_local(mb)
+        if self._armed is not None:
+            output = self.replay.mark_backward_begin(output, mb.replay_NK)
+        self._armed = None
+        return output, partial(self._loss_func, mb, loss_fn, with_entropy)
+
+    def _recorded_local(self, mb: _MicroBatch) -> torch.Tensor:
+        """This stage's recorded ids as [B, T, L_local, K] (gathered over sequence-parallel ranks)."""
+        b, s = mb.input_ids_BS.shape
+        layers = []
+        for ids_NK in self.replay.recorded():
+            if self.config.sequence_parallel:
+                parts = [torch.empty_like(ids_NK) for _ in range(self.groups.tp_size)]
+                dist.all_gather(parts, ids_NK.contiguous(), group=self.groups.tp)
+                ids_NK = torch.cat(parts)
+            layers.append(ids_NK.reshape(s, b, -1).transpose(0, 1)[:, : mb.num_tokens])
+        return torch.stack(layers, dim=2).to(torch.int32)
+
+    def _loss_func(
+        self,
+        mb: _MicroBatch,
+        loss_fn: LossFn | None,
+        with_entropy: bool,
+        output_tensor,
+        non_loss_data: bool = False,
+    ):
+        out = self._per_token(mb, output_tensor, with_entropy=with_entropy)
+        if non_loss_data or loss_fn is None:
+            return out
+        lo = loss_fn(out, mb.batch)
+        if not isinstance(lo, LossOutput):
+            raise TypeError(f"the loss callable must return a LossOutput, got {type(lo).__name__}")
+        den = lo.denominator
+        den_value = float(den.detach()) if isinstance(den, torch.Tensor) else float(den)
+        if den_value != int(den_value) or den_value < 0:
+            raise ValueError(f"LossOutput.denominator must be a non-negative whole number, got {den_value}")
+        num = torch.tensor(int(den_value), dtype=torch.int, device=self.groups.device)
+        metrics = {"loss_sum": float(lo.loss_sum.detach()), "denominator": den_value, **lo.metrics}
+        return lo.loss_sum, num, metrics
+
+    def _per_token(self, mb: _MicroBatch, output_BSV: torch.Tensor, *, with_entropy: bool) -> ForwardOutput:
+        batch = mb.batch
+        b, t = batch.shape
+        x = output_BSV[:, :t]
+        starts = batch.sequence_starts_BT()
+        if self.role == "critic":
+            values = torch.zeros(b, t, dtype=torch.float32, device=x.device)
+            values[:, 1:] = x[:, :-1, 0].float()
+            return ForwardOutput(
+                values_BT=values.masked_fill(starts, 0.0), routed_experts_BTLK=mb.recorded_BTLK
+            )
+        v_local = x.shape[-1]
+        targets = batch.input_ids_BT.long()[:, 1:].reshape(-1)
+        lp, ent = token_logprobs_entropy(
+            x[:, :-1].reshape(-1, v_local),
+            targets,
+            tp_group=self.groups.tp,
+            vocab_start=self.groups.tp_rank * v_local,
+            with_entropy=with_entropy,
+        )
+        logprobs = torch.zeros(b, t, dtype=torch.float32, device=x.device)
+        logprobs[:, 1:] = lp.view(b, t - 1)
+        entropy = None
+        if ent is not None:
+            entropy = torch.zeros(b, t, dtype=torch.float32, device=x.device)
+            entropy[:, 1:] = ent.view(b, t - 1)
+            entropy = entropy.masked_fill(starts, 0.0)
+        return ForwardOutput(
+            logprobs_BT=logprobs.masked_fill(starts, 0.0),
+            entropy_BT=entropy,
+            routed_experts_BTLK=mb.recorded_BTLK,
+        )
+
+    def _run(self, mbs: list[_MicroBatch], *, loss_fn: LossFn | None, forward_only: bool, with_entropy: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not mbs:
+            raise ValueError("no micro-batches given")
+        seq = max(mb.input_ids_BS.shape[1] for mb in mbs)
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, loss_fn=loss_fn, with_entropy=with_entropy),
+                data_iterator=iter(mbs),
+                model=[self.ddp],
+                num_microbatches=len(mbs),
+                seq_length=seq,
+                micro_batch_size=mbs[0].input_ids_BS.shape[0],
+                forward_only=forward_only,
+                collect_non_loss_data=forward_only,
+            )
+        finally:
+            self._armed = None
+            self.replay.clear()
+
+    # ----------------------------------------------------------------- public API
+    @torch.no_grad()
+    def forward(
+        self,
+        batches: Sequence[TrainBatch],
+        *,
+        with_entropy: bool = False,
+        record_routing: bool = False,
+        require_replay: bool = False,
+    ) -> list[ForwardOutput]:
+        """Per-token log-probs (policy) or values (critic) of every micro-batch, without gradients.
+
+        Batches carrying routed_experts_BTLK are replayed; with `record_routing` the experts the router chose
+        come back in ForwardOutput.routed_experts_BTLK ([B, T, L, K], all MoE layers). Every rank returns
+        the outputs (broadcast from the last pipeline stage).
+        """
+        self.ddp.eval()
+        mbs = [self._prepare(b, record=record_routing, require_replay=require_replay) for b in batches]
+        store = self._run(mbs, loss_fn=None, forward_only=True, with_entropy=with_entropy)
+        outs = list(store) if self.groups.is_last_stage else [None] * len(mbs)
+        if record_routing:
+            self._assemble_recorded(outs, mbs)
+        return self._from_last_stage(outs)
+
+    def _assemble_recorded(self, outs: list, mbs: list[_MicroBatch]) -> None:
+        local = [(self.replay.moe_layer_ids, mb.recorded_BTLK.cpu()) for mb in mbs]
+        if self.groups.pp_size > 1:
+            gathered: list = [None] * self.groups.pp_size
+            dist.all_gather_object(gathered, local, group=self.groups.pp)
+        else:
+            gathered = [local]
+        for i, out in enumerate(outs):
+            if out is None:
+                continue
+            parts = sorted(
+                (lid, t[:, :, j])
+                for stage in gathered
+                for lid_list, t in [stage[i]]
+                for j, lid in enumerate(lid_list)
+            )
+            out.routed_experts_BTLK = torch.stack([p for _, p in parts], dim=2).to(self.groups.device)
+
+    def _from_last_stage(self, outs: list):
+        if self.groups.pp_size == 1:
+            return outs
+        src = dist.get_global_rank(self.groups.pp, self.groups.pp_size - 1)
+        payload = [[to_device(o, torch.device("cpu")) for o in outs]] if self.groups.is_last_stage else [None]
+        dist.broadcast_object_list(payload, src=src, group=self.groups.pp)
+        return [to_device(o, self.groups.device) for o in payload[0]]
+
+    def forward_backward(
+        self, batches: Sequence[TrainBatch], loss_fn: LossFn, *, require_replay: bool = False
+    ) -> tuple[float, dict[str, float]]:
+        """Zero the gradients, run every micro-batch forward and backward, reduce the gradients.
+
+        Returns the step's loss  sum(loss_sum) / sum(denominator)  (over micro-batches and data-parallel
+        ranks) and the loss callable's metrics averaged over this rank's micro-batches.
+        """
+        self.ddp.train()
+        self.zero_grad()
+        mbs = [self._prepare(b, record=False, require_replay=require_replay) for b in batches]
+        store = self._run(mbs, loss_fn=loss_fn, forward_only=False, with_entropy=True)
+        return self._reduce_metrics(store if self.groups.is_last_stage else [])
+
+    def _reduce_metrics(self, store: list[dict]) -> tuple[float, dict[str, float]]:
+        totals = torch.zeros(2, dtype=torch.float64, device=self.groups.device)
+        for m in store:
+            totals += torch.tensor(
+                [m["loss_sum"], m["denominator"]], dtype=torch.float64, device=totals.device
+            )
+        dist.all_reduce(totals, group=self.groups.world)
+        # Every TP peer of a last-stage rank computed the same numbers: count each replica once.
+        totals /= self.groups.tp_size
+        loss = float(totals[0] / totals[1]) if totals[1] > 0 else 0.0
+        keys = sorted({k for m in store for k in m} - {"loss_sum", "denominator"})
+        metrics = {k: sum(m[k] for m in store if k in m) / len(store) for k in keys} if store else {}
+        return loss, metrics
+
+    def train_step(
+        self, batches: Sequence[TrainBatch], loss_fn: LossFn, *, require_replay: bool = False
+    ) -> StepResult:
+        """forward_backward, then one optimizer step (skipped if a gradient is not finite)."""
+        loss, metrics = self.forward_backward(batches, loss_fn, require_replay=require_replay)
+        result = self.optimizer_step()
+        result.loss, result.metrics, result.num_microbatches = loss, metrics, len(batches)
+        return result
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def named_grads(self) -> dict[str, torch.Tensor]:
+        """This rank's reduced gradients (main_grad) by parameter name, after forward_backward."""
+        return {n: p.main_grad for n, p in self._trainable()}
+
+    # ----------------------------------------------------------------- optimizer
+    def _grad_sq_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dense, expert) squared gradient norms, each reduced over the ranks that hold distinct parts."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        dense, expert = [], []
+        for _, p in self._trainable():
+            if not getattr(p, "allreduce", True):
+                expert.append(p.main_grad)
+            elif param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, self.groups.tp):
+                dense.append(p.main_grad)
+        dev = self.groups.device
+        sums = []
+        for grads, group in ((dense, self.groups.mp), (expert, self.groups.expt_mp)):
+            sq = torch.zeros((), dtype=torch.float32, device=dev)
+            if grads:
+                sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+            dist.all_reduce(sq, group=group)
+            sums.append(sq)
+        return sums[0], sums[1]
+
+    def _all_finite(self, sq: torch.Tensor) -> bool:
+        flag = torch.tensor([0.0 if torch.isfinite(sq) else 1.0], device=self.groups.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.world)
+        return bool(flag.item() == 0.0)
+
+    def optimizer_step(self) -> StepResult:
+        """Clip, set this step's LR, update. Non-finite gradients skip the update (result.skipped)."""
+        lr = lr_at(self.step_count, self.optim_cfg, self.total_steps)
+        dense_sq, expert_sq = self._grad_sq_norms()
+        grad_norm = float((dense_sq + expert_sq).sqrt())
+        if not self._all_finite(dense_sq + expert_sq):
+            self.zero_grad()
+            return StepResult(loss=float("nan"), grad_norm=grad_norm, lr=lr, skipped=True, num_microbatches=0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.cuda:
+            self.optimizer.step()
+        else:
+            self._cpu_step(grad_norm)
+        self.step_count += 1
+        return StepResult(loss=float("nan"), grad_norm=grad_norm, lr=lr, skipped=False, num_microbatches=0)
+
+    def _cpu_step(self, grad_norm: float) -> None:
+        clip = self.optim_cfg.grad_clip
+        scale = clip / (grad_norm + 1e-6) if clip > 0 and grad_norm > clip else 1.0
+        for _, p in self._trainable():
+            # Megatron's DDP left the reduced gradient in main_grad; torch's optimizer reads .grad.
+            p.grad = p.main_grad if scale == 1.0 else p.main_grad * scale
+        self.optimizer.step()
+        for _, p in self._trainable():
+            p.grad = None
+
+    @property
+    def lr(self) -> float:
+        return lr_at(self.step_count, self.optim_cfg, self.total_steps)
+
+    # ----------------------------------------------------------------- offload
+    def offload(self) -> None:
+        """Move parameters, gradients and optimizer state off the accelerator (storage freed, views kept)."""
+        self._offloader.offload(self._offload_tensors(), drop=self._grad_tensors())
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Bring back what `offload` moved; gradients come back zeroed."""
+        self._offloader.onload()
+
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        return [p.main_grad for _, p in self._trainable() if getattr(p, "main_grad", None) is not None]
+
+    def _offload_tensors(self) -> list[torch.Tensor]:
+        tensors = [p.data for p in self.module.parameters()] + [b for b in self.module.buffers()]
+        for opt in self._torch_optimizers():
+            for state in opt.state.values():
+                tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+            for group in opt.param_groups:
+                tensors += [p.data for p in group["params"]]
+        return tensors
+
+    def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        if not self.cuda:
+            return [self.optimizer]
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return [o.optimizer for o in chained]
+
+    @property
+    def offloaded(self) -> bool:
+        return self._offloader.active
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        """This rank's model shard, optimizer state, step and expert placement (CPU tensors)."""
+        model = {
+            k: v.detach().cpu().clone()
+            for k, v in self.module.state_dict().items()
+            if isinstance(v, torch.Tensor)
+        }
+        placement = {
+            i: list(layer.experts.logical_expert_ids)
+            for i, layer in enumerate(self.moe_layers)
+            if hasattr(layer.experts, "logical_expert_ids")
+        }
+        return {
+            "format": "tppo-megatron-engine-v1",
+            "model": model,
+            "optimizer": self._optimizer_state(),
+            "step": self.step_count,
+            "expert_placement": placement,
+            "layout": (self.groups.tp_size, self.groups.pp_size, self.groups.ep_size, self.groups.dp_size),
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("format") != "tppo-megatron-engine-v1":
+            raise ValueError(f"not an engine checkpoint (format {sd.get('format')!r})")
+        layout = (self.groups.tp_size, self.groups.pp_size, self.groups.ep_size, self.groups.dp_size)
+        if tuple(sd["layout"]) != layout:
+            raise ValueError(
+                f"checkpoint layout (tp, pp, ep, dp) = {tuple(sd['layout'])}; this engine is {layout}"
+            )
+        placement = {
+            i: list(layer.experts.logical_expert_ids)
+            for i, layer in enumerate(self.moe_layers)
+            if hasattr(layer.experts, "logical_expert_ids")
+        }
+        if {int(k): v for k, v in sd["expert_placement"].items()} != placement:
+            raise ValueError(
+                "checkpoint expert placement differs from this engine's; restore the placement first"
+            )
+        missing, unexpected = self.module.load_state_dict(sd["model"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        self._load_optimizer_state(sd["optimizer"])
+        self.step_count = int(sd["step"])
+
+    def _optimizer_state(self) -> dict:
+        if not self.cuda:
+            return {"torch": self.optimizer.state_dict()}
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        params = {}
+        for i, opt in enumerate(chained):
+            for name, p in self._trainable():
+                if p in opt.model_param_group_index_map:
+                    tensors = opt._get_main_param_and_optimizer_states(p)
+                    params[(i, name)] = {
+                        k: v.detach().cpu().clone() for k, v in tensors.items() if isinstance(v, torch.Tensor)
+                    }
+        return {"common": [o.state_dict() for o in chained], "params": params}
+
+    def _load_optimizer_state(self, state: dict) -> None:
+        if not self.cuda:
+            self.optimizer.load_state_dict(state["torch"])
+            return
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        named = dict(self._trainable())
+        for i, opt in enumerate(chained):
+            opt.load_state_dict(state["common"][i])
+            if not opt.optimizer.state:
+                opt._init_optimizer_states_with_dummy_values()
+            for (j, name), tensors in state["params"].items():
+                if j == i:
+                    opt._set_main_param_and_optimizer_states(named[name], tensors)
+        for opt in chained:
+            opt._copy_main_params_to_model_params()
+
+    # ----------------------------------------------------------------- Hugging Face weights
+    def export_hf(self, out_dir: str, **kwargs) -> None:
+        """Write the model as a Hugging Face safetensors checkpoint (experts in logical order)."""
+        from tppo.engine.convert import export_hf_checkpoint
+
+        export_hf_checkpoint(self, out_dir, **kwargs)
+
+    def iter_hf_weights(self, bucket_bytes: int = 256 << 20):
+        """Buckets of (HF name, full tensor) of this stage's weights, logical expert order, for weight sync."""
+        from tppo.engine.convert import iter_hf_weights
+
+        return iter_hf_weights(self, bucket_bytes=bucket_bytes)
