@@ -36,19 +36,22 @@ class PrefillPiece:
 def rope_tables(
     spec: MoeModelSpec, num_positions: int, device: torch.device, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [P, D] of the default RoPE, computed in fp32 as transformers does, then cast to the model dtype."""
+    """cos [P, D] and sign-folded sin [P, D] of the default RoPE, computed in fp32 as transformers does, then cast
+    to the model dtype. sin's first half is negated so that rotate_half(x) sin = cat(x2, x1) signed_sin."""
     d = spec.head_dim
     inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
     freqs = torch.arange(num_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+    sin = emb.sin()
+    signed_sin = torch.cat((-sin[:, : d // 2], sin[:, d // 2 :]), dim=-1)
+    return emb.cos().to(device=device, dtype=dtype), signed_sin.to(device=device, dtype=dtype)
 
 
-def apply_rope(x_TND: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor) -> torch.Tensor:
-    """x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1) on the two halves of the head dimension."""
+def apply_rope(x_TND: torch.Tensor, cos_TD: torch.Tensor, signed_sin_TD: torch.Tensor) -> torch.Tensor:
+    """x cos + rotate_half(x) sin with rotate_half(x) = (-x2, x1): three kernels (the sign lives in the table)."""
     half = x_TND.shape[-1] // 2
-    rotated = torch.cat((-x_TND[..., half:], x_TND[..., :half]), dim=-1)
-    return x_TND * cos_TD[:, None, :] + rotated * sin_TD[:, None, :]
+    swapped = torch.cat((x_TND[..., half:], x_TND[..., :half]), dim=-1)
+    return torch.addcmul(x_TND * cos_TD[:, None, :], swapped, signed_sin_TD[:, None, :])
 
 
 class MoeDecoder:
@@ -97,9 +100,15 @@ class MoeDecoder:
         return weights_TK, ids_TK
 
     def experts(
-        self, layer: LayerWeights, h_TH: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor
+        self,
+        layer: LayerWeights,
+        h_TH: torch.Tensor,
+        weights_TK: torch.Tensor,
+        ids_TK: torch.Tensor,
+        residual_TH: torch.Tensor,
     ) -> torch.Tensor:
-        """sum_k w_tk * down_e(silu(gate_e h_t) * up_e h_t) with e = ids_tk, via grouped GEMMs sorted by expert."""
+        """residual + sum_k w_tk down_e(silu(gate_e h_t) * up_e h_t), e = ids_tk, via grouped GEMMs sorted by
+        expert; the k-sum is one batched matmul over the unsorted rows (deterministic, unlike index_add)."""
         num_tokens, k = ids_TK.shape
         f = self.spec.moe_ffn_size
         sorted_ids_R, order_R = torch.sort(ids_TK.reshape(-1), stable=True)
@@ -110,15 +119,19 @@ class MoeDecoder:
         y_RH = torch._grouped_mm(act_RF, layer.down_EHF.transpose(1, 2), offs=offsets_E)
         unsorted_RH = torch.empty_like(y_RH).index_copy_(0, order_R, y_RH)
         mix_T1K = weights_TK.to(y_RH.dtype).unsqueeze(1)
-        return torch.bmm(mix_T1K, unsorted_RH.view(num_tokens, k, -1)).squeeze(1)
+        out_T1H = torch.baddbmm(residual_TH.unsqueeze(1), mix_T1K, unsorted_RH.view(num_tokens, k, -1))
+        return out_T1H.squeeze(1)
 
-    def _mlp(self, layer: LayerWeights, h_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _mlp(
+        self, layer: LayerWeights, h_TH: torch.Tensor, residual_TH: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """residual + MLP(h) and the routed experts (None for a dense layer)."""
         if layer.router_EH is None:
             f = self.spec.dense_ffn_size
             gu = F.linear(h_TH, layer.dense_gate_up_FH)
-            return F.linear(F.silu(gu[:, :f]) * gu[:, f:], layer.dense_down_HF), None
+            return torch.addmm(residual_TH, F.silu(gu[:, :f]) * gu[:, f:], layer.dense_down_HF.t()), None
         weights_TK, ids_TK = self.route(layer, h_TH)
-        return self.experts(layer, h_TH, weights_TK, ids_TK), ids_TK
+        return self.experts(layer, h_TH, weights_TK, ids_TK, residual_TH), ids_TK
 
     def logits(self, x_TH: torch.Tensor) -> torch.Tensor:
         return F.linear(self._norm(x_TH, self.weights.final_norm_H), self.weights.lm_head_VH).float()
@@ -130,10 +143,14 @@ class MoeDecoder:
         """One token per row b (row = cache slot) at position positions_B[b]; attends to positions <= it among
         the first `num_keys` of its slot. Writes the chosen experts into routes_BLK; returns fp32 logits [B, V]."""
         s, cache = self.spec, self.cache
-        b = tokens_B.shape[0]
+        b, x_dtype = tokens_B.shape[0], self.weights.embed_VH.dtype
         rows_B = self.rows_S[:b]
         cos_BD, sin_BD = self.cos_PD[positions_B], self.sin_PD[positions_B]
-        mask_B11S = (self.positions_P[:num_keys][None, :] <= positions_B[:, None]).view(b, 1, 1, num_keys)
+        visible_BS = self.positions_P[:num_keys][None, :] <= positions_B[:, None]
+        # An additive mask built once per step (a boolean one is converted again in every layer's SDPA call).
+        mask_B11S = torch.zeros(b, 1, 1, num_keys, dtype=x_dtype, device=tokens_B.device).masked_fill_(
+            ~visible_BS.view(b, 1, 1, num_keys), float("-inf")
+        )
         groups = s.num_heads // s.num_kv_heads
         x_BH = self.weights.embed_VH[tokens_B]
         moe_index = s.moe_layer_index
@@ -150,8 +167,7 @@ class MoeDecoder:
                 scale=s.head_dim**-0.5,
             )
             x_BH = self._out_proj(layer, attn_BMGD.reshape(b, s.q_size), x_BH)
-            mlp_BH, ids_BK = self._mlp(layer, self._norm(x_BH, layer.post_norm_H))
-            x_BH = x_BH + mlp_BH
+            x_BH, ids_BK = self._mlp(layer, self._norm(x_BH, layer.post_norm_H), x_BH)
             if ids_BK is not None:
                 routes_BLK[:, moe_index[i]].copy_(ids_BK)
         return self.logits(x_BH)
@@ -179,8 +195,7 @@ class MoeDecoder:
             cache.v_LSNPD[i][slots_T, :, positions_T] = v_TMD
             attn_TQ = self._prefill_attention(i, pieces, q_TND, k_TMD, v_TMD)
             x_TH = self._out_proj(layer, attn_TQ, x_TH)
-            mlp_TH, ids_TK = self._mlp(layer, self._norm(x_TH, layer.post_norm_H))
-            x_TH = x_TH + mlp_TH
+            x_TH, ids_TK = self._mlp(layer, self._norm(x_TH, layer.post_norm_H), x_TH)
             if ids_TK is not None:
                 routes_TLK[:, moe_index[i]] = ids_TK
         last_R = torch.tensor(last_index, dtype=torch.long, device=device)

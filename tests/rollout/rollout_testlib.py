@@ -67,7 +67,7 @@ def save_tiny_model(arch: str, path: Path, seed: int = 0, **overrides):
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
         out = model.generate(
             ids,
@@ -80,13 +80,15 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) 
     return out[0, len(prompt) :].tolist()
 
 
-def hf_logprobs_and_routes(model, tokens: list[int], num_prompt: int) -> tuple[np.ndarray, np.ndarray]:
-    """log p(token_t | tokens_<t) for the generated tokens and the router's top-k ids [T, L, K] of every token,
-    from one full forward with hooks on the router modules."""
+def hf_logprobs_and_routes(
+    model, tokens: list[int], num_prompt: int, temperature: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
+    """log softmax(logits / temperature) of each generated token given the ones before it, and the router's
+    top-k ids [T, L, K] of every token, from one full forward with hooks on the router modules."""
     picks = []
 
     def hook(_module, _inputs, output):
-        picks.append(output[2].detach().clone())
+        picks.append(output[2].detach().cpu())
 
     routers = [
         m for name, m in model.named_modules() if name.endswith("mlp.gate") or name.endswith("moe.gate")
@@ -94,11 +96,11 @@ def hf_logprobs_and_routes(model, tokens: list[int], num_prompt: int) -> tuple[n
     handles = [m.register_forward_hook(hook) for m in routers]
     try:
         with torch.no_grad():
-            logits = model(torch.tensor([tokens])).logits[0].float()
+            logits = model(torch.tensor([tokens], device=model.device)).logits[0].float().cpu()
     finally:
         for h in handles:
             h.remove()
-    logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
     gen = torch.tensor(tokens[num_prompt:])
     lp = logprobs[num_prompt - 1 : len(tokens) - 1].gather(1, gen[:, None]).squeeze(1)
     return lp.numpy(), torch.stack(picks, dim=1).numpy()

@@ -1,0 +1,401 @@
+"""Decode throughput of the rollout engine vs transformers' generate() on a Qwen3-30B-A3B-shaped MoE.
+
+    python bench/rollout_decode.py --device cuda --json bench/out/rollout_decode.json
+    python bench/rollout_decode.py --tiny          # CPU smoke run of every code path with a toy model
+
+Sections (each recorded in the JSON, an error in one does not stop the others):
+1. check: our engine vs transformers on the same random bf16 weights (a few layers of the real widths):
+   greedy tokens, log-prob differences and router agreement, so the timed engine is known to compute the model.
+2. engine: decode tokens/s at each batch size, `--layers` layers, random bf16 weights, temperature 1, ignore_eos,
+   prompts of `--prompt-len` random tokens, `--new-tokens` new tokens each. Decode time = the engine's wall time
+   in decode steps (graph replay + sampling + bookkeeping, host syncs included); decode tokens = those sampled
+   in decode steps (the first token of each request comes from prefill). Also the bare replay time of one step.
+   Roofline: bytes a step must read = non-expert weights + (distinct experts routed in that step, per layer,
+   counted from the recorded routing) x expert bytes + lm_head + K/V of every attended position; over
+   `--bandwidth` (4.3 TB/s measured copy bandwidth of the H200) that is the floor; fraction = floor / step time.
+3. hf: transformers' generate() (sampling, temperature 1, top_k 0) at `--hf-layers` layers on the same shapes;
+   decode rate = B (n - 1) / (t(n new tokens) - t(1 new token)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rollout import RolloutEngine, SamplingParams
+from rollout.config import RolloutConfig
+
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    max_position_embeddings=40960,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    attention_bias=False,
+    eos_token_id=151645,
+)
+TINY = dict(
+    QWEN3_30B_A3B,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=16,
+    num_experts_per_tok=4,
+    max_position_embeddings=4096,
+)
+
+
+def model_config(base: dict, layers: int) -> dict:
+    return dict(base, num_hidden_layers=layers)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def prompts_for(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab, size=(batch, prompt_len)).tolist()
+
+
+# --------------------------------------------------------------------------------------------- roofline
+def step_bytes(cfg: dict, outs, prompt_len: int, element: int) -> list[dict]:
+    """Bytes each decode step must read, from the routing the engine recorded (all requests run in lockstep)."""
+    h, v, e_ffn = cfg["hidden_size"], cfg["vocab_size"], cfg["moe_intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    layers, experts = cfg["num_hidden_layers"], cfg["num_experts"]
+    attn = (h * (q + 2 * kv) + q * h + 2 * h + 2 * cfg["head_dim"] + experts * h) * element
+    expert = 3 * h * e_ffn * element
+    head = (v * h + h) * element
+    kv_per_pos = 2 * layers * kv * element
+    routes = np.stack([o.routed_experts for o in outs])  # [B, T, L, K]
+    num_steps = routes.shape[1] - prompt_len
+    out = []
+    for j in range(num_steps):
+        fed = routes[:, prompt_len + j]  # [B, L, K] experts of the token fed at decode step j + 1
+        distinct = sum(len(np.unique(fed[:, layer])) for layer in range(layers))
+        weights = layers * attn + distinct * expert + head + len(outs) * h * element
+        kv_read = len(outs) * (prompt_len + j + 1) * kv_per_pos
+        out.append({"weights": weights, "kv": kv_read, "distinct_experts_per_layer": distinct / layers})
+    return out
+
+
+# --------------------------------------------------------------------------------------------- sections
+def run_engine(args, cfg: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    max_len = args.prompt_len + args.new_tokens
+    config = RolloutConfig(
+        max_model_len=-(-max_len // 128) * 128,
+        max_batch_size=max(args.batches),
+        cuda_graphs=not args.eager,
+        kv_cache_fraction=0.5,
+    )
+    engine = RolloutEngine.from_config(cfg, device=device, dtype=dtype, config=config, seed=0)
+    rows = []
+    for batch in args.batches:
+        prompts = prompts_for(batch, args.prompt_len, cfg["vocab_size"], seed=batch)
+        params = [
+            SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=i, ignore_eos=True)
+            for i in range(batch)
+        ]
+        engine.generate(prompts, params)  # warm-up: captures this batch's graphs
+        sync(device)
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        sync(device)
+        wall = time.perf_counter() - t0
+        st = engine.last_stats
+        decode_tokens = st.num_generated_tokens - batch
+        step_s = st.decode_s / st.num_decode_steps
+        per_step = step_bytes(cfg, outs, args.prompt_len, torch.empty((), dtype=dtype).element_size())
+        floor_s = statistics.mean((s["weights"] + s["kv"]) / args.bandwidth for s in per_step)
+        replay_ms = time_replay(engine, batch, args, device)
+        rows.append(
+            {
+                "batch": batch,
+                "layers": cfg["num_hidden_layers"],
+                "decode_tok_s": decode_tokens / st.decode_s,
+                "end_to_end_tok_s": st.num_generated_tokens / wall,
+                "prefill_s": st.prefill_s,
+                "decode_s": st.decode_s,
+                "decode_steps": st.num_decode_steps,
+                "step_ms": 1e3 * step_s,
+                "replay_ms": replay_ms,
+                "roofline_step_ms": 1e3 * floor_s,
+                "roofline_fraction": floor_s / step_s,
+                "weights_gb_per_step": statistics.mean(s["weights"] for s in per_step) / 1e9,
+                "kv_gb_per_step": statistics.mean(s["kv"] for s in per_step) / 1e9,
+                "distinct_experts_per_layer": statistics.mean(
+                    s["distinct_experts_per_layer"] for s in per_step
+                ),
+                "cuda_graphs": st.cuda_graphs,
+                "num_graphs": st.num_graphs,
+                "capture_error": engine.runner.capture_error,
+            }
+        )
+        print(
+            f"engine L={cfg['num_hidden_layers']} B={batch}: {rows[-1]['decode_tok_s']:.0f} tok/s, "
+            f"step {rows[-1]['step_ms']:.2f} ms (replay {replay_ms:.2f}), "
+            f"roofline {100 * rows[-1]['roofline_fraction']:.0f}%",
+            flush=True,
+        )
+    del engine
+    free_memory()
+    return rows
+
+
+def time_replay(engine: RolloutEngine, batch: int, args, device: torch.device) -> float:
+    """Median time of the model part of one decode step (graph replay, or the eager forward) at the mid length."""
+    b = engine._bucket(batch)
+    tokens = np.zeros(b, dtype=np.int64)
+    positions = np.full(b, args.prompt_len + args.new_tokens // 2, dtype=np.int64)
+    num_keys = min(engine.max_model_len, -(-(int(positions.max()) + 1) // 128) * 128)
+    times = []
+    with torch.inference_mode():
+        for _ in range(3):
+            engine.runner.run(tokens, positions, num_keys)
+        for _ in range(args.repeats):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                engine.runner.run(tokens, positions, num_keys)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                engine.runner.run(tokens, positions, num_keys)
+                times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def build_hf(cfg: dict, device: torch.device, dtype: torch.dtype):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    keys = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}
+    hf_cfg = Qwen3MoeConfig(**keys)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3MoeForCausalLM(hf_cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.to(dtype).eval()
+
+
+def run_hf(args, cfg: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    model = build_hf(cfg, device, dtype)
+    rows = []
+    for batch in args.batches:
+        ids = torch.tensor(prompts_for(batch, args.prompt_len, cfg["vocab_size"], seed=batch), device=device)
+
+        def gen(n: int, ids=ids, model=model) -> float:
+            sync(device)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    pad_token_id=0,
+                )
+            sync(device)
+            return time.perf_counter() - t0
+
+        gen(2)  # warm-up
+        t1, tn = gen(1), gen(args.hf_new_tokens)
+        rate = batch * (args.hf_new_tokens - 1) / (tn - t1)
+        rows.append(
+            {
+                "batch": batch,
+                "layers": cfg["num_hidden_layers"],
+                "decode_tok_s": rate,
+                "t_first_s": t1,
+                "t_all_s": tn,
+                "new_tokens": args.hf_new_tokens,
+            }
+        )
+        print(f"transformers L={cfg['num_hidden_layers']} B={batch}: {rate:.1f} tok/s", flush=True)
+    del model
+    free_memory()
+    return rows
+
+
+def compare_with_hf(engine: RolloutEngine, model, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Greedy tokens of both; log-probs and router picks of transformers on the engine's own sequences."""
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    device = next(model.parameters()).device
+    ids = torch.tensor(prompts, device=device)
+    with torch.inference_mode():
+        ref = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )[:, ids.shape[1] :]
+    picks = []
+    routers = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    handles = [m.register_forward_hook(lambda _m, _i, o: picks.append(o[2])) for m in routers]
+    seqs = torch.tensor([p + o.token_ids for p, o in zip(prompts, outs)], device=device)
+    try:
+        with torch.inference_mode():
+            logprobs = torch.log_softmax(model(seqs).logits.float(), dim=-1)
+    finally:
+        for h in handles:
+            h.remove()
+    n_prompt = len(prompts[0])
+    gen = seqs[:, n_prompt:]
+    ref_lp = logprobs[:, n_prompt - 1 : -1].gather(2, gen[..., None])[..., 0].cpu().numpy()
+    ours_lp = np.stack([o.logprobs for o in outs])
+    hf_routes = torch.stack(picks, dim=1).view(len(prompts), seqs.shape[1], len(routers), -1).cpu().numpy()
+    ours_routes = np.stack([o.routed_experts for o in outs]).astype(np.int64)
+    overlap = (np.sort(hf_routes, -1)[..., :, None] == np.sort(ours_routes, -1)[..., None, :]).any(-1).mean()
+    first_diff = [
+        next((i for i, (a, b) in enumerate(zip(o.token_ids, r)) if a != b), new_tokens)
+        for o, r in zip(outs, ref.tolist())
+    ]
+    return {
+        "greedy_tokens_equal_before_divergence": statistics.mean(first_diff) / new_tokens,
+        "first_token_equal": float(np.mean([d > 0 for d in first_diff])),
+        "logprob_max_abs_diff": float(np.abs(ref_lp - ours_lp).max()),
+        "logprob_mean_abs_diff": float(np.abs(ref_lp - ours_lp).mean()),
+        "router_pick_agreement": float(overlap),
+    }
+
+
+def run_check(args, cfg: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """Same weights in transformers and the engine: greedy agreement, log-prob gap, router agreement."""
+    model = build_hf(cfg, device, dtype)
+    config = RolloutConfig(
+        max_model_len=256, max_batch_size=8, kv_cache_fraction=0.2, cuda_graphs=not args.eager
+    )
+    engine = RolloutEngine.from_config(cfg, device=device, dtype=dtype, config=config)
+    engine.load_weights(model.state_dict().items())
+    result = compare_with_hf(engine, model, prompts_for(4, 24, cfg["vocab_size"], seed=3), new_tokens=16)
+    print(f"check L={cfg['num_hidden_layers']}: {result}", flush=True)
+    del model, engine
+    free_memory()
+    return result
+
+
+def section(name: str, fn, results: dict) -> None:
+    try:
+        results[name] = fn()
+    except Exception as err:  # one failing section must not lose the others' numbers
+        traceback.print_exc()
+        results[name + "_error"] = f"{type(err).__name__}: {err}"
+        free_memory()
+
+
+def print_table(results: dict, hf_layers: int) -> None:
+    hf = {r["batch"]: r for r in results.get("hf", [])}
+    ours_same = {r["batch"]: r for r in results.get("engine_hf_layers", [])}
+    print(
+        "\n| batch | layers | engine tok/s | step ms | roofline ms | roofline % | graphs | "
+        f"engine tok/s @{hf_layers}L | transformers tok/s @{hf_layers}L | speedup |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results.get("engine", []):
+        b = r["batch"]
+        same = ours_same.get(b, {}).get("decode_tok_s")
+        ref = hf.get(b, {}).get("decode_tok_s")
+        speed = f"{same / ref:.1f}x" if same and ref else "-"
+        print(
+            f"| {b} | {r['layers']} | {r['decode_tok_s']:.0f} | {r['step_ms']:.2f} | {r['roofline_step_ms']:.2f} | "
+            f"{100 * r['roofline_fraction']:.0f}% | {r['cuda_graphs']} | {same or float('nan'):.0f} | "
+            f"{ref or float('nan'):.1f} | {speed} |"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--hf-layers", type=int, default=48, help="layers of the transformers comparison model")
+    ap.add_argument("--check-layers", type=int, default=2)
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32, 256])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--hf-new-tokens", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s (measured H200 copy bandwidth)")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: check,engine,hf")
+    ap.add_argument("--tiny", action="store_true", help="toy widths (CPU smoke test of the script)")
+    ap.add_argument("--json", default="bench/out/rollout_decode.json")
+    args = ap.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    base = TINY if args.tiny else QWEN3_30B_A3B
+    skip = set(args.skip.split(",")) - {""}
+    results: dict = {
+        "args": vars(args),
+        "torch": torch.__version__,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if "check" not in skip:
+        section(
+            "check", lambda: run_check(args, model_config(base, args.check_layers), device, dtype), results
+        )
+    if "engine" not in skip:
+        section("engine", lambda: run_engine(args, model_config(base, args.layers), device, dtype), results)
+    if "hf" not in skip:
+        hf_cfg = model_config(base, args.hf_layers)
+        section("hf", lambda: run_hf(args, hf_cfg, device, dtype), results)
+        if args.hf_layers != args.layers:
+            section("engine_hf_layers", lambda: run_engine(args, hf_cfg, device, dtype), results)
+        else:
+            results["engine_hf_layers"] = results.get("engine", [])
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+    print_table(results, args.hf_layers)
+
+
+if __name__ == "__main__":
+    main()
