@@ -9,6 +9,7 @@ cluster's resources. Only a session that started Ray shuts it down.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,10 +51,12 @@ def ray_session(cfg: ClusterConfig) -> Iterator[RayInfo]:
         return
     if not cfg.ray_address:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    else:
+        _check_reachable(cfg.ray_address)
     kwargs = ray_init_kwargs(cfg)
     try:
         context = ray.init(**kwargs)
-    except ConnectionError as err:
+    except (ConnectionError, SystemExit) as err:
         raise RuntimeError(
             f"cannot join the Ray cluster at cluster.ray_address={cfg.ray_address!r}: {err}"
         ) from err
@@ -61,6 +64,17 @@ def ray_session(cfg: ClusterConfig) -> Iterator[RayInfo]:
         yield _info(ray, started_here=True, address=getattr(context, "address_info", {}).get("address", ""))
     finally:
         ray.shutdown()
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast on a host:port nobody listens on; ray.init would retry for minutes before giving up."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return  # "auto" and ray:// client addresses are resolved by Ray itself
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise RuntimeError(f"cannot join the Ray cluster at cluster.ray_address={address!r}: {err}") from err
 
 
 def _info(ray: object, *, started_here: bool, address: str = "") -> RayInfo:
