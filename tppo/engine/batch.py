@@ -7,7 +7,8 @@ each sequence; rotary positions restart at every sequence, so `position_ids_BT`,
 
 Outputs are aligned with the tokens they score: `logprobs_BT[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`
 and `values_BT[b, t]` is the critic's value of the prefix input_ids[b, :t] (the state in which token t
-is chosen); both come from the model's output at position t - 1 and are 0 at every sequence start.
+is chosen); both come from the model's output at position t - 1 and are 0 at every sequence start and
+at padding tokens.
 
 Legend: B sequences, T tokens per row, L MoE layers of the whole model, K experts per token.
 """

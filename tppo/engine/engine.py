@@ -80,12 +80,24 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int | None = None) -> float:
     return LR_SCHEDULES.get(cfg.schedule)(step, cfg, total_steps)
 
 
+def _cpu_copy(obj):
+    """A copy of a (nested) state dict with every tensor cloned to the CPU: live optimizer state moves on."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return obj
+
+
 @dataclass
 class _MicroBatch:
     """A TrainBatch prepared for this rank: device tensors, padding for SP, this stage's replay ids."""
 
     batch: TrainBatch
     input_ids_BS: torch.Tensor
+    num_rows: int  # B before padding
     num_tokens: int  # T before padding
     packed_seq_params: object | None
     padding_mask_BS: torch.Tensor | None
@@ -209,31 +221,63 @@ class MegatronEngine:
         return self.built.replay
 
     # ----------------------------------------------------------------- batches
-    def _prepare(self, batch: TrainBatch, *, record: bool, require_replay: bool) -> _MicroBatch:
-        batch.validate()
-        dev = self.groups.device
-        batch = to_device(batch, dev)
-        if batch.payload is not None:
-            batch.payload = to_device(batch.payload, dev)
-        b, t = batch.shape
+    def _prepare_all(
+        self, batches: Sequence[TrainBatch], *, record: bool, require_replay: bool
+    ) -> list[_MicroBatch]:
+        """Validate, move to the device, and pad every micro-batch to the shape this rank must run."""
+        if not batches:
+            raise ValueError("no micro-batches given")
+        ready = []
+        for batch in batches:
+            batch.validate()
+            if record and batch.routed_experts_BTLK is not None:
+                raise ValueError("a batch cannot both record routing and replay routed_experts_BTLK")
+            if require_replay and batch.routed_experts_BTLK is None:
+                raise ValueError("routing replay is required but the batch has no routed_experts_BTLK")
+            batch = to_device(batch, self.groups.device)
+            batch.payload = to_device(batch.payload, self.groups.device)
+            ready.append(batch)
         multiple = self.groups.tp_size if self.config.sequence_parallel else 1
-        s = -(-t // multiple) * multiple
-        ids = batch.input_ids_BT.long()
-        if s != t:
-            ids = torch.cat([ids, ids.new_zeros(b, s - t)], dim=1)
-        valid = batch.valid_BT()
-        if s != t:
-            valid = torch.cat([valid, valid.new_zeros(b, s - t)], dim=1)
+        shapes = [(b.shape[0], -(-b.shape[1] // multiple) * multiple) for b in ready]
+        shapes = self._align_over_ep(shapes)
+        return [self._micro_batch(b, shape, record) for b, shape in zip(ready, shapes)]
+
+    def _align_over_ep(self, shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Every MoE layer communicates over the EP group: ranks must run the same number of micro-batches,
+        and the allgather dispatcher needs equal token counts, so shapes are padded to the group's largest."""
+        if self.groups.ep_size == 1:
+            return shapes
+        count = torch.tensor([len(shapes), -len(shapes)], device=self.groups.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.groups.ep)
+        if int(count[0]) != -int(count[1]):
+            raise ValueError(
+                f"expert-parallel ranks were given different numbers of micro-batches "
+                f"({-int(count[1])}..{int(count[0])}); every rank of an EP group must run the same number"
+            )
+        if self.config.moe_token_dispatcher_type != "allgather":
+            return shapes
+        table = torch.tensor(shapes, device=self.groups.device)
+        dist.all_reduce(table, op=dist.ReduceOp.MAX, group=self.groups.ep)
+        return [tuple(row) for row in table.tolist()]
+
+    def _micro_batch(self, batch: TrainBatch, shape: tuple[int, int], record: bool) -> _MicroBatch:
+        b, t = batch.shape
+        rows, s = shape
+        if batch.packed and rows != 1:
+            raise ValueError(
+                "packed micro-batches (B=1) cannot run beside padded ones of B>1 on other EP ranks"
+            )
+        ids = torch.zeros(rows, s, dtype=torch.long, device=self.groups.device)
+        ids[:b, :t] = batch.input_ids_BT
+        valid = torch.zeros(rows, s, dtype=torch.bool, device=self.groups.device)
+        valid[:b, :t] = batch.valid_BT()
         packed = self._packed_params(batch, s) if batch.packed else None
         padding = (~valid) if (not batch.packed and self.groups.tp_size == 1) else None
-        if record and batch.routed_experts_BTLK is not None:
-            raise ValueError("a batch cannot both record routing and replay routed_experts_BTLK")
-        if require_replay and batch.routed_experts_BTLK is None:
-            raise ValueError("routing replay is required but the batch has no routed_experts_BTLK")
-        replay = self._replay_ids(batch, s, valid) if batch.routed_experts_BTLK is not None else None
+        replay = self._replay_ids(batch, shape, valid) if batch.routed_experts_BTLK is not None else None
         return _MicroBatch(
             batch=batch,
             input_ids_BS=ids,
+            num_rows=b,
             num_tokens=t,
             packed_seq_params=packed,
             padding_mask_BS=padding,
@@ -253,12 +297,13 @@ class MegatronEngine:
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
         )
 
-    def _replay_ids(self, batch: TrainBatch, s: int, valid_BS: torch.Tensor) -> list[torch.Tensor]:
+    def _replay_ids(
+        self, batch: TrainBatch, shape: tuple[int, int], valid_BS: torch.Tensor
+    ) -> list[torch.Tensor]:
         """Per local MoE layer, the replayed ids [N, K] in the router's (sequence-first) token order."""
         m = self.model_cfg
-        routed = batch.routed_experts_BTLK
         check_routed_experts(
-            routed,
+            batch.routed_experts_BTLK,
             batch_shape=batch.shape,
             num_moe_layers=self.num_moe_layers,
             topk=m.moe_topk,
@@ -266,9 +311,11 @@ class MegatronEngine:
             valid_BT=batch.valid_BT(),
         )
         b, t = batch.shape
-        routed = routed.long()
-        if s != t:
-            routed = torch.cat([routed, routed.new_zeros(b, s - t, *routed.shape[2:])], dim=1)
+        rows, s = shape
+        routed = torch.zeros(
+            rows, s, self.num_moe_layers, m.moe_topk, dtype=torch.long, device=valid_BS.device
+        )
+        routed[:b, :t] = batch.routed_experts_BTLK.long()
         # Padding tokens never reach a real token's output; give them distinct valid ids.
         fill = torch.arange(m.moe_topk, device=routed.device).expand_as(routed)
         routed = torch.where(valid_BS[:, :, None, None], routed, fill)
@@ -335,7 +382,7 @@ class MegatronEngine:
                 parts = [torch.empty_like(ids_NK) for _ in range(self.groups.tp_size)]
                 dist.all_gather(parts, ids_NK.contiguous(), group=self.groups.tp)
                 ids_NK = torch.cat(parts)
-            layers.append(ids_NK.reshape(s, b, -1).transpose(0, 1)[:, : mb.num_tokens])
+            layers.append(ids_NK.reshape(s, b, -1).transpose(0, 1)[: mb.num_rows, : mb.num_tokens])
         return torch.stack(layers, dim=2).to(torch.int32)
 
     def _loss_func(
@@ -363,8 +410,9 @@ class MegatronEngine:
     def _per_token(self, mb: _MicroBatch, output_BSV: torch.Tensor, *, with_entropy: bool) -> ForwardOutput:
         batch = mb.batch
         b, t = batch.shape
-        x = output_BSV[:, :t]
-        starts = batch.sequence_starts_BT()
+        x = output_BSV[:b, :t]
+        # Sequence starts have no prefix to score; padding tokens score nothing: both read 0.
+        starts = batch.sequence_starts_BT() | ~batch.valid_BT()
         if self.role == "critic":
             values = torch.zeros(b, t, dtype=torch.float32, device=x.device)
             values[:, 1:] = x[:, :-1, 0].float()
@@ -431,7 +479,7 @@ class MegatronEngine:
         the outputs (broadcast from the last pipeline stage).
         """
         self.ddp.eval()
-        mbs = [self._prepare(b, record=record_routing, require_replay=require_replay) for b in batches]
+        mbs = self._prepare_all(batches, record=record_routing, require_replay=require_replay)
         store = self._run(mbs, loss_fn=None, forward_only=True, with_entropy=with_entropy)
         outs = list(store) if self.groups.is_last_stage else [None] * len(mbs)
         if record_routing:
@@ -474,7 +522,7 @@ class MegatronEngine:
         """
         self.ddp.train()
         self.zero_grad()
-        mbs = [self._prepare(b, record=False, require_replay=require_replay) for b in batches]
+        mbs = self._prepare_all(batches, record=False, require_replay=require_replay)
         store = self._run(mbs, loss_fn=loss_fn, forward_only=False, with_entropy=True)
         return self._reduce_metrics(store if self.groups.is_last_stage else [])
 
@@ -650,7 +698,7 @@ class MegatronEngine:
 
     def _optimizer_state(self) -> dict:
         if not self.cuda:
-            return {"torch": self.optimizer.state_dict()}
+            return {"torch": _cpu_copy(self.optimizer.state_dict())}
         chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         params = {}
         for i, opt in enumerate(chained):
@@ -660,7 +708,7 @@ class MegatronEngine:
                     params[(i, name)] = {
                         k: v.detach().cpu().clone() for k, v in tensors.items() if isinstance(v, torch.Tensor)
                     }
-        return {"common": [o.state_dict() for o in chained], "params": params}
+        return {"common": [_cpu_copy(o.state_dict()) for o in chained], "params": params}
 
     def _load_optimizer_state(self, state: dict) -> None:
         if not self.cuda:

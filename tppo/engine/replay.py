@@ -83,6 +83,15 @@ class ReplayRouter(TopKRouter):
             "an MoE layer", config.num_moe_experts, config.moe_router_topk
         )
 
+    def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+        # Megatron's version is wrapped in torch.compile and runs on every routing call even when the
+        # expert bias is off: dynamo compile time on each new process and shape for nothing. Same logic.
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & (~padding_mask)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
     def set_layer_number(self, layer_number: int) -> None:
         super().set_layer_number(layer_number)
         self.router_replay.layer_name = f"MoE layer at decoder layer {layer_number - 1}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -72,7 +73,10 @@ def _child(target: Callable, rank: int, world: int, port: int, args: tuple, resu
     )
     torch.set_num_threads(1)
     try:
-        results.put((rank, "ok", target(rank, *args)))
+        # Plain bytes through the queue: tensors would travel as shared-memory handles that die with us.
+        buf = io.BytesIO()
+        torch.save(target(rank, *args), buf)
+        results.put((rank, "ok", buf.getvalue()))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
 
@@ -103,7 +107,7 @@ def run_ranks(target: Callable, world: int, *args: Any, timeout_s: float = 240.0
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
                 break
-            out[rank] = value
+            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
     except queue.Empty:
         errors.append(f"ranks {sorted(set(range(world)) - set(out))} did not finish within {timeout_s} s")
     finally:
@@ -115,3 +119,55 @@ def run_ranks(target: Callable, world: int, *args: Any, timeout_s: float = 240.0
     if errors:
         raise RuntimeError("\n".join(errors))
     return [out[r] for r in range(world)]
+
+
+def nll_loss(out, batch):
+    """Token-mean negative log-likelihood of a micro-batch (the engine tests' loss callable)."""
+    from tppo.engine.batch import LossOutput
+
+    lp = out.logprobs_BT
+    return LossOutput(loss_sum=-lp.sum(), denominator=lp.numel())
+
+
+def ep_parity_worker(
+    rank: int, ckpt: str, batches: list, replay_ids: list, logit_ids: list, export_dir: str
+) -> dict:
+    """One rank of an EP=2 engine (world 2, so data parallel 2): everything the parity test compares."""
+    from tppo.config import OptimConfig, ParallelConfig
+    from tppo.engine.batch import TrainBatch
+    from tppo.engine.convert import model_config_from_hf
+    from tppo.engine.engine import MegatronEngine
+
+    engine = MegatronEngine(
+        model_config_from_hf(ckpt), ParallelConfig(expert_parallel=2), OptimConfig(lr=1e-3, grad_clip=0.0)
+    )
+    batch = batches[rank]
+    engine.ddp.eval()
+    with torch.no_grad():
+        # A direct model call bypasses the engine's padding: equal shapes on both ranks here.
+        logits = engine.module(logit_ids[rank], None, None).clone()
+    rec = engine.forward([batch], with_entropy=True, record_routing=True)[0]
+    replayed = engine.forward(
+        [TrainBatch(input_ids_BT=batch.input_ids_BT, routed_experts_BTLK=rec.routed_experts_BTLK)],
+        with_entropy=True,
+    )[0]
+    engine.forward([TrainBatch(input_ids_BT=batch.input_ids_BT, routed_experts_BTLK=replay_ids[rank])])
+    counts = [layer.experts.last_tokens_per_expert.clone() for layer in engine.moe_layers]
+    loss, _ = engine.forward_backward([batch], nll_loss)
+    grads = {n: g.clone() for n, g in engine.named_grads().items()}
+    engine.optimizer_step()
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.export_hf(export_dir)
+    return dict(
+        logits=logits,
+        logprobs=rec.logprobs_BT,
+        entropy=rec.entropy_BT,
+        routed=rec.routed_experts_BTLK,
+        replayed_logprobs=replayed.logprobs_BT,
+        replayed_entropy=replayed.entropy_BT,
+        counts=counts,
+        loss=loss,
+        grads=grads,
+        params=params,
+        expert_ids=[list(layer.experts.logical_expert_ids) for layer in engine.moe_layers],
+    )
