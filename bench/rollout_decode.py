@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout import RolloutEngine, SamplingParams
 from rollout.config import RolloutConfig
+from rollout.engine import key_bucket
 
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"],
@@ -146,6 +147,14 @@ def run_engine(args, cfg: dict, device: torch.device, dtype: torch.dtype) -> lis
         per_step = step_bytes(cfg, outs, args.prompt_len, torch.empty((), dtype=dtype).element_size())
         floor_s = statistics.mean((s["weights"] + s["kv"]) / args.bandwidth for s in per_step)
         replay_ms = time_replay(engine, batch, args, device)
+        eager_ms = None
+        if engine.runner.use_cuda_graphs:  # the same step launched op by op, to show what the graphs buy
+            engine.runner.use_cuda_graphs = False
+            eager_ms = time_replay(engine, batch, args, device)
+            engine.runner.use_cuda_graphs = True
+        profile = (
+            profile_step(engine, batch, args, device) if device.type == "cuda" and batch in (1, 256) else None
+        )
         rows.append(
             {
                 "batch": batch,
@@ -157,6 +166,7 @@ def run_engine(args, cfg: dict, device: torch.device, dtype: torch.dtype) -> lis
                 "decode_steps": st.num_decode_steps,
                 "step_ms": 1e3 * step_s,
                 "replay_ms": replay_ms,
+                "eager_step_ms": eager_ms,
                 "roofline_step_ms": 1e3 * floor_s,
                 "roofline_fraction": floor_s / step_s,
                 "weights_gb_per_step": statistics.mean(s["weights"] for s in per_step) / 1e9,
@@ -167,11 +177,12 @@ def run_engine(args, cfg: dict, device: torch.device, dtype: torch.dtype) -> lis
                 "cuda_graphs": st.cuda_graphs,
                 "num_graphs": st.num_graphs,
                 "capture_error": engine.runner.capture_error,
+                "kernel_profile": profile,
             }
         )
         print(
             f"engine L={cfg['num_hidden_layers']} B={batch}: {rows[-1]['decode_tok_s']:.0f} tok/s, "
-            f"step {rows[-1]['step_ms']:.2f} ms (replay {replay_ms:.2f}), "
+            f"step {rows[-1]['step_ms']:.2f} ms (replay {replay_ms:.2f}, eager {eager_ms or 0:.2f}), "
             f"roofline {100 * rows[-1]['roofline_fraction']:.0f}%",
             flush=True,
         )
@@ -185,7 +196,7 @@ def time_replay(engine: RolloutEngine, batch: int, args, device: torch.device) -
     b = engine._bucket(batch)
     tokens = np.zeros(b, dtype=np.int64)
     positions = np.full(b, args.prompt_len + args.new_tokens // 2, dtype=np.int64)
-    num_keys = min(engine.max_model_len, -(-(int(positions.max()) + 1) // 128) * 128)
+    num_keys = key_bucket(int(positions.max()) + 1, engine.max_model_len)
     times = []
     with torch.inference_mode():
         for _ in range(3):
@@ -203,6 +214,39 @@ def time_replay(engine: RolloutEngine, batch: int, args, device: torch.device) -
                 engine.runner.run(tokens, positions, num_keys)
                 times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
+
+
+def profile_step(engine: RolloutEngine, batch: int, args, device: torch.device) -> dict:
+    """GPU kernels of one eager decode step (same kernels a graph replays): count, busy time, top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    b = engine._bucket(batch)
+    tokens = np.zeros(b, dtype=np.int64)
+    positions = np.full(b, args.prompt_len + args.new_tokens // 2, dtype=np.int64)
+    num_keys = key_bucket(int(positions.max()) + 1, engine.max_model_len)
+    graphs, engine.runner.use_cuda_graphs = engine.runner.use_cuda_graphs, False
+    try:
+        with torch.inference_mode():
+            engine.runner.run(tokens, positions, num_keys)
+            sync(device)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                engine.runner.run(tokens, positions, num_keys)
+                sync(device)
+    finally:
+        engine.runner.use_cuda_graphs = graphs
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if t > 0:
+            rows.append({"name": e.key[:120], "calls": e.count, "us": t})
+    rows.sort(key=lambda r: -r["us"])
+    total = sum(r["us"] for r in rows)
+    print(
+        f"  profile B={batch}: {sum(r['calls'] for r in rows)} kernels, {total / 1e3:.2f} ms busy", flush=True
+    )
+    for r in rows[:12]:
+        print(f"    {r['us'] / 1e3:8.3f} ms {r['calls']:5d}x {r['name'][:90]}", flush=True)
+    return {"num_kernels": sum(r["calls"] for r in rows), "busy_ms": total / 1e3, "top": rows[:40]}
 
 
 def build_hf(cfg: dict, device: torch.device, dtype: torch.dtype):

@@ -205,17 +205,17 @@ class RolloutEngine:
         self.last_stats = stats = GenerateStats(
             num_requests=len(requests), num_prompt_tokens=sum(len(r.prompt) for r in requests)
         )
-        rows: list[_Request | None] = [None] * self.num_slots
+        rows = _Rows(self.num_slots)
         waiting, done = deque(requests), []
         with torch.inference_mode():
-            while waiting or any(r is not None for r in rows):
-                free = [i for i, r in enumerate(rows) if r is None]
+            while waiting or rows.num_used:
+                free = rows.free()
                 if waiting and free:
                     admitted = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
                     for req, row in zip(admitted, free):
-                        req.row, rows[row] = row, req
+                        rows.put(row, req)
                     t0 = time.perf_counter()
-                    self._prefill(admitted)
+                    self._prefill(admitted, rows)
                     stats.prefill_s += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 self._compact(rows)
@@ -263,7 +263,7 @@ class RolloutEngine:
         return prompt
 
     # ------------------------------------------------------------------------------------------ prefill
-    def _prefill(self, requests: list[_Request]) -> None:
+    def _prefill(self, requests: list[_Request], rows: _Rows) -> None:
         for chunk in _pack_pieces(requests, self.config.max_prefill_tokens):
             pieces = [PrefillPiece(r.row, start, n) for r, start, n in chunk]
             tokens = [t for r, start, n in chunk for t in r.prompt[start : start + n]]
@@ -276,7 +276,9 @@ class RolloutEngine:
             tokens_T = torch.tensor(tokens, dtype=torch.long, device=self.device)
             logits_RV, routes_TLK = self.model.prefill(tokens_T, pieces, last_index)
             if ends:
-                tokens_R, logprobs_R = self._sample(logits_RV, ends)
+                idx = [r.row for r in ends]
+                counters = np.array([len(r.prompt) for r in ends], dtype=np.int64)
+                tokens_R, logprobs_R = self._sample(logits_RV, rows, idx, counters)
             routes = routes_TLK.cpu().numpy().astype(self.route_dtype)
             offset = 0
             for r, _, n in chunk:
@@ -284,85 +286,78 @@ class RolloutEngine:
                 offset += n
             if ends:
                 for r, tok, lp in zip(ends, tokens_R.tolist(), logprobs_R.tolist()):
-                    self._append(r, tok, lp)
+                    self._append(r, tok, lp, rows)
 
     # ------------------------------------------------------------------------------------------ decode
-    def _decode_step(self, rows: list[_Request | None]) -> list[_Request]:
-        active = [(i, r) for i, r in enumerate(rows) if r is not None]
-        b = self._bucket(active[-1][0] + 1)
-        tokens, positions = np.zeros(b, dtype=np.int64), np.zeros(b, dtype=np.int64)
-        for i, r in active:
-            tokens[i], positions[i] = r.tokens[-1], r.length - 1
-        num_keys = min(self.max_model_len, -(-(int(positions.max()) + 1) // 128) * 128)
-        logits_BV, routes_BLK = self.runner.run(tokens, positions, num_keys)
-        sampling = [r if r is not None and r.finish_reason is None else None for r in rows[:b]]
-        tokens_B, logprobs_B = self._sample(logits_BV, sampling, counters=positions + 1)
-        tokens_np, logprobs_np = tokens_B.cpu().numpy(), logprobs_B.cpu().numpy()
-        routes_np = routes_BLK.cpu().numpy()
+    def _decode_step(self, rows: _Rows) -> list[_Request]:
+        used = rows.used()
+        b = self._bucket(used[-1] + 1)
+        positions = rows.position[:b].copy()
+        num_keys = key_bucket(int(positions.max()) + 1, self.max_model_len)
+        logits_BV, routes_BLK = self.runner.run(rows.token[:b].copy(), positions, num_keys)
+        tokens_B, logprobs_B = self._sample(logits_BV, rows, slice(0, b), positions + 1)
+        tokens, logprobs = tokens_B.tolist(), logprobs_B.tolist()
+        routes = routes_BLK.cpu().numpy().astype(self.route_dtype)
         stats = self.last_stats
         stats.num_decode_steps += 1
         stats.num_decode_rows += b
         finished = []
-        for i, r in active:
-            r.route_chunks.append(routes_np[i : i + 1].astype(self.route_dtype))
+        for i in used:
+            r = rows.req[i]
+            r.route_chunks.append(routes[i : i + 1])
             if r.finish_reason is not None:  # this step only recorded its last token's experts
-                rows[i] = None
+                rows.clear(i)
                 finished.append(r)
             else:
-                self._append(r, int(tokens_np[i]), float(logprobs_np[i]))
+                self._append(r, tokens[i], logprobs[i], rows)
         return finished
 
     def _sample(
-        self, logits_BV: torch.Tensor, requests: list[_Request | None], counters: np.ndarray | None = None
+        self, logits_BV: torch.Tensor, rows: _Rows, index, counters: np.ndarray
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample one token per row; rows without a request (None) are greedy and ignored by the caller."""
-        n = len(requests)
-        temperature, top_p = np.zeros(n, dtype=np.float32), np.ones(n, dtype=np.float32)
-        top_k, seeds = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint64)
-        if counters is None:
-            counters = np.array([r.length for r in requests], dtype=np.int64)
-        for j, r in enumerate(requests):
-            if r is not None:
-                p = r.params
-                temperature[j], top_p[j], top_k[j], seeds[j] = p.temperature, p.top_p, p.top_k, r.seed
+        """One token per logits row, with the sampling parameters of rows[index] and the given counters."""
+        temperature, top_p, top_k = rows.temperature[index], rows.top_p[index], rows.top_k[index]
         filtered = bool(((top_p < 1) | (top_k > 0)).any())
+        uniform = counter_uniform(rows.seed[index], counters)
         dev = self.device
         return sample(
             logits_BV,
             torch.from_numpy(temperature).to(dev),
             torch.from_numpy(top_k).to(dev),
             torch.from_numpy(top_p).to(dev),
-            torch.from_numpy(counter_uniform(seeds, counters)).to(dev),
+            torch.from_numpy(uniform).to(dev),
             filtered,
         )
 
-    def _append(self, r: _Request, token: int, logprob: float) -> None:
+    def _append(self, r: _Request, token: int, logprob: float, rows: _Rows) -> None:
         r.tokens.append(token)
         r.logprobs.append(logprob)
+        rows.token[r.row], rows.position[r.row] = token, r.length - 1
         if token in self.eos_token_ids and not r.params.ignore_eos:
             r.finish_reason = "eos"
         elif token in r.stop_ids:
             r.finish_reason = "stop"
         elif len(r.tokens) >= r.params.max_new_tokens:
             r.finish_reason = "length"
+        if r.finish_reason is not None:
+            rows.temperature[r.row] = 0.0  # its last step only records routing: sample it greedily
 
     def _bucket(self, rows_needed: int) -> int:
         return next(b for b in self._batch_sizes if b >= rows_needed)
 
-    def _compact(self, rows: list[_Request | None]) -> None:
+    def _compact(self, rows: _Rows) -> None:
         """Move requests from high rows into free low rows when that lets the step use a smaller batch bucket."""
-        used = [i for i, r in enumerate(rows) if r is not None]
+        used = rows.used()
         if not used:
             return
         target = self._bucket(len(used))
         if self._bucket(used[-1] + 1) <= target:
             return
-        free_low = [i for i in range(target) if rows[i] is None]
+        free_low = [i for i in range(target) if rows.req[i] is None]
         for src in reversed([i for i in used if i >= target]):
             dst = free_low.pop(0)
-            req = rows[src]
-            self.cache.move(src, dst, req.length)
-            rows[dst], rows[src], req.row = req, None, dst
+            self.cache.move(src, dst, rows.req[src].length)
+            rows.move(src, dst)
 
     def _output(self, r: _Request) -> GenerationOutput:
         routes = np.concatenate(r.route_chunks, axis=0)
@@ -378,6 +373,47 @@ class RolloutEngine:
         )
 
 
+class _Rows:
+    """Decode rows (= cache slots): the request in each and, as arrays, what a step needs from it (the token to
+    feed, its position, sampling parameters), so building a step's inputs needs no per-row Python work."""
+
+    def __init__(self, n: int) -> None:
+        self.req: list[_Request | None] = [None] * n
+        self.token = np.zeros(n, dtype=np.int64)
+        self.position = np.zeros(n, dtype=np.int64)
+        self.temperature = np.zeros(n, dtype=np.float32)
+        self.top_p = np.ones(n, dtype=np.float32)
+        self.top_k = np.zeros(n, dtype=np.int64)
+        self.seed = np.zeros(n, dtype=np.uint64)
+        self.num_used = 0
+
+    def used(self) -> list[int]:
+        return [i for i, r in enumerate(self.req) if r is not None]
+
+    def free(self) -> list[int]:
+        return [i for i, r in enumerate(self.req) if r is None]
+
+    def put(self, row: int, req: _Request) -> None:
+        p = req.params
+        self.req[row], req.row = req, row
+        self.temperature[row], self.top_p[row], self.top_k[row] = p.temperature, p.top_p, p.top_k
+        self.seed[row] = req.seed
+        self.num_used += 1
+
+    def clear(self, row: int) -> None:
+        self.req[row] = None
+        self.token[row] = self.position[row] = self.top_k[row] = self.seed[row] = 0
+        self.temperature[row], self.top_p[row] = 0.0, 1.0
+        self.num_used -= 1
+
+    def move(self, src: int, dst: int) -> None:
+        for a in (self.token, self.position, self.temperature, self.top_p, self.top_k, self.seed):
+            a[dst] = a[src]
+        self.req[dst], self.req[src].row = self.req[src], dst
+        self.num_used += 1
+        self.clear(src)
+
+
 def _resolve_dtype(dtype: str | torch.dtype, spec: MoeModelSpec, config: RolloutConfig | None) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -388,6 +424,13 @@ def _resolve_dtype(dtype: str | torch.dtype, spec: MoeModelSpec, config: Rollout
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected 'auto', a torch dtype or one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+def key_bucket(num_keys: int, max_model_len: int) -> int:
+    """Attended length of a decode step rounded up (one CUDA graph per bucket): to a multiple of 64, or of 1/16 of
+    the next power of two for long sequences, so padding stays under ~12% and the number of buckets small."""
+    step = max(64, (1 << max(0, (num_keys - 1).bit_length())) // 16)
+    return min(max_model_len, -(-num_keys // step) * step)
 
 
 def _batch_buckets(num_slots: int) -> list[int]:

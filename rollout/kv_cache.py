@@ -1,13 +1,14 @@
 """Slot-based KV cache: one fixed-length slot per in-flight sequence, sized once from a memory budget.
 
-K and V live in two tensors `[L, S, N, P, D]` (all layers together, so moving a sequence between slots is two
-copies). Decode rows are slots: row i of a decode batch reads and writes slot i, so attention reads the cache in
-place (no gather). A slot holds at most `max_model_len` positions; the number of slots is the budget divided by
+K and V live in two tensors `[L, S, P, N, D]` (all layers together, so moving a sequence between slots is two
+copies; the heads of one position adjacent, so writing a token's K/V is one `index_copy_` into the flattened
+`[S * P, N, D]` view of a layer). Decode rows are slots: row i of a decode batch reads and writes slot i, so
+attention reads the cache in place (no gather), through `[B, N, P, D]` transposed views. A slot holds at most `max_model_len` positions; the number of slots is the budget divided by
 that, capped at `max_batch_size`. Departure from paged caches (vLLM): memory is reserved per slot at the maximum
 length; in exchange decode attention is one dense SDPA call over `[B, N, P, D]` views, which plain PyTorch runs
 fast and CUDA graphs capture.
 
-Legend: L layers, S slots, N kv heads, P positions (max_model_len), D head dim.
+Legend: L layers, S slots, P positions (max_model_len), N kv heads, D head dim, B rows.
 """
 
 from __future__ import annotations
@@ -66,16 +67,28 @@ class KVCache:
     """K and V of every slot and layer, zero-initialised (masked positions must hold finite values: 0 * NaN)."""
 
     def __init__(self, spec: MoeModelSpec, plan: CachePlan, device: torch.device, dtype: torch.dtype) -> None:
-        shape = (spec.num_layers, plan.num_slots, spec.num_kv_heads, plan.max_model_len, spec.head_dim)
-        self.k_LSNPD = torch.zeros(shape, device=device, dtype=dtype)
-        self.v_LSNPD = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (spec.num_layers, plan.num_slots, plan.max_model_len, spec.num_kv_heads, spec.head_dim)
+        self.k_LSPND = torch.zeros(shape, device=device, dtype=dtype)
+        self.v_LSPND = torch.zeros(shape, device=device, dtype=dtype)
         self.num_slots = plan.num_slots
         self.max_model_len = plan.max_model_len
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` positions of slot `src` into slot `dst` (compaction of decode rows)."""
-        self.k_LSNPD[:, dst, :, :length].copy_(self.k_LSNPD[:, src, :, :length])
-        self.v_LSNPD[:, dst, :, :length].copy_(self.v_LSNPD[:, src, :, :length])
+        self.k_LSPND[:, dst, :length].copy_(self.k_LSPND[:, src, :length])
+        self.v_LSPND[:, dst, :length].copy_(self.v_LSPND[:, src, :length])
+
+    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer as [S * P, N, D] views: row slot * max_model_len + position."""
+        k, v = self.k_LSPND[layer], self.v_LSPND[layer]
+        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
+    def keys_values(self, layer: int, rows: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the first `rows` slots and `num_keys` positions as [B, N, S, D] views (no copy)."""
+        return (
+            self.k_LSPND[layer, :rows, :num_keys].transpose(1, 2),
+            self.v_LSPND[layer, :rows, :num_keys].transpose(1, 2),
+        )
 
     def num_bytes(self) -> int:
-        return 2 * self.k_LSNPD.numel() * self.k_LSNPD.element_size()
+        return 2 * self.k_LSPND.numel() * self.k_LSPND.element_size()

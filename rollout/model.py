@@ -25,6 +25,16 @@ from rollout.weights import LayerWeights, ModelWeights
 
 
 @dataclass(frozen=True)
+class _AttentionGroup:
+    """Fresh prefill pieces attended together: their tokens gathered into a padded [n, Lmax] batch."""
+
+    gather_nl: torch.Tensor  # flat token index of each (piece, position); padding repeats a valid index
+    valid_nl: torch.Tensor  # bool: real (not padding) positions
+    scatter_t: torch.Tensor  # flat token index of each valid position, in valid_nl's row-major order
+    mask_n1ll: torch.Tensor | None  # causal & key < length; None when every piece has the same length
+
+
+@dataclass(frozen=True)
 class PrefillPiece:
     """A run of `length` prompt tokens of one sequence, at positions [start, start + length) of cache `slot`."""
 
@@ -74,16 +84,19 @@ class MoeDecoder:
     def _qkv(
         self, layer: LayerWeights, h_TH: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, N, D] and k, v [T, M, D]; q and k are normalised and rotated together (one set of kernels)."""
         s = self.spec
         qkv_TC = F.linear(h_TH, layer.qkv_CH, layer.qkv_bias_C)
-        q, k, v = qkv_TC.split((s.q_size, s.kv_size, s.kv_size), dim=-1)
-        q_TND = q.view(-1, s.num_heads, s.head_dim)
-        k_TMD = k.view(-1, s.num_kv_heads, s.head_dim)
+        qk_TXD = qkv_TC[:, : s.q_size + s.kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
         if s.qk_norm:
-            q_TND, k_TMD = self._norm(q_TND, layer.q_norm_D), self._norm(k_TMD, layer.k_norm_D)
-        q_TND = apply_rope(q_TND, cos_TD, sin_TD)
-        k_TMD = apply_rope(k_TMD, cos_TD, sin_TD)
-        return q_TND, k_TMD, v.view(-1, s.num_kv_heads, s.head_dim)
+            # transformers rounds the normalised x to the model dtype before the weight multiply: same here.
+            weight_XD = torch.cat(
+                (layer.q_norm_D.expand(s.num_heads, -1), layer.k_norm_D.expand(s.num_kv_heads, -1))
+            )
+            qk_TXD = F.rms_norm(qk_TXD, (s.head_dim,), None, s.rms_norm_eps) * weight_XD
+        qk_TXD = apply_rope(qk_TXD, cos_TD, sin_TD)
+        v_TMD = qkv_TC[:, s.q_size + s.kv_size :].view(-1, s.num_kv_heads, s.head_dim)
+        return qk_TXD[:, : s.num_heads], qk_TXD[:, s.num_heads :], v_TMD
 
     def _out_proj(self, layer: LayerWeights, attn_TQ: torch.Tensor, x_TH: torch.Tensor) -> torch.Tensor:
         if layer.o_bias_H is not None:
@@ -136,15 +149,39 @@ class MoeDecoder:
     def logits(self, x_TH: torch.Tensor) -> torch.Tensor:
         return F.linear(self._norm(x_TH, self.weights.final_norm_H), self.weights.lm_head_VH).float()
 
+    def _layer(
+        self,
+        i: int,
+        layer: LayerWeights,
+        x_TH: torch.Tensor,
+        cos_TD: torch.Tensor,
+        sin_TD: torch.Tensor,
+        cache_rows_T: torch.Tensor,
+        attend,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decoder layer: attention (K/V written at cache rows first, then `attend(q, k, v)`) and the MLP."""
+        q_TND, k_TMD, v_TMD = self._qkv(layer, self._norm(x_TH, layer.input_norm_H), cos_TD, sin_TD)
+        k_flat, v_flat = self.cache.flat(i)
+        k_flat.index_copy_(0, cache_rows_T, k_TMD)
+        v_flat.index_copy_(0, cache_rows_T, v_TMD)
+        x_TH = self._out_proj(layer, attend(q_TND, k_TMD, v_TMD), x_TH)
+        return self._mlp(layer, self._norm(x_TH, layer.post_norm_H), x_TH)
+
     # ----------------------------------------------------------------------------------------- decode
     def decode(
-        self, tokens_B: torch.Tensor, positions_B: torch.Tensor, num_keys: int, routes_BLK: torch.Tensor
-    ) -> torch.Tensor:
+        self,
+        tokens_B: torch.Tensor,
+        positions_B: torch.Tensor,
+        num_keys: int,
+        routes_BLK: torch.Tensor,
+        logits_BV: torch.Tensor,
+    ) -> None:
         """One token per row b (row = cache slot) at position positions_B[b]; attends to positions <= it among
-        the first `num_keys` of its slot. Writes the chosen experts into routes_BLK; returns fp32 logits [B, V]."""
+        the first `num_keys` of its slot. Writes the experts used into routes_BLK and the logits (model dtype)
+        into logits_BV: static buffers, so a captured graph allocates no output."""
         s, cache = self.spec, self.cache
         b, x_dtype = tokens_B.shape[0], self.weights.embed_VH.dtype
-        rows_B = self.rows_S[:b]
+        cache_rows_B = self.rows_S[:b] * cache.max_model_len + positions_B
         cos_BD, sin_BD = self.cos_PD[positions_B], self.sin_PD[positions_B]
         visible_BS = self.positions_P[:num_keys][None, :] <= positions_B[:, None]
         # An additive mask built once per step (a boolean one is converted again in every layer's SDPA call).
@@ -153,24 +190,26 @@ class MoeDecoder:
         )
         groups = s.num_heads // s.num_kv_heads
         x_BH = self.weights.embed_VH[tokens_B]
-        moe_index = s.moe_layer_index
+        ids = []
         for i, layer in enumerate(self.weights.layers):
-            q_BND, k_BMD, v_BMD = self._qkv(layer, self._norm(x_BH, layer.input_norm_H), cos_BD, sin_BD)
-            cache.k_LSNPD[i][rows_B, :, positions_B] = k_BMD
-            cache.v_LSNPD[i][rows_B, :, positions_B] = v_BMD
-            # GQA without copying K/V: the G query heads of a kv head become G query rows of that head.
-            attn_BMGD = F.scaled_dot_product_attention(
-                q_BND.view(b, s.num_kv_heads, groups, s.head_dim),
-                cache.k_LSNPD[i, :b, :, :num_keys],
-                cache.v_LSNPD[i, :b, :, :num_keys],
-                attn_mask=mask_B11S,
-                scale=s.head_dim**-0.5,
-            )
-            x_BH = self._out_proj(layer, attn_BMGD.reshape(b, s.q_size), x_BH)
-            x_BH, ids_BK = self._mlp(layer, self._norm(x_BH, layer.post_norm_H), x_BH)
+
+            def attend(q_BND, _k, _v, i=i):
+                # GQA without copying K/V: the G query heads of a kv head become G query rows of that head.
+                k_BMSD, v_BMSD = cache.keys_values(i, b, num_keys)
+                out_BMGD = F.scaled_dot_product_attention(
+                    q_BND.view(b, s.num_kv_heads, groups, s.head_dim),
+                    k_BMSD,
+                    v_BMSD,
+                    attn_mask=mask_B11S,
+                    scale=s.head_dim**-0.5,
+                )
+                return out_BMGD.reshape(b, s.q_size)
+
+            x_BH, ids_BK = self._layer(i, layer, x_BH, cos_BD, sin_BD, cache_rows_B, attend)
             if ids_BK is not None:
-                routes_BLK[:, moe_index[i]].copy_(ids_BK)
-        return self.logits(x_BH)
+                ids.append(ids_BK)
+        routes_BLK.copy_(torch.stack(ids, dim=1))
+        torch.mm(self._norm(x_BH, self.weights.final_norm_H), self.weights.lm_head_VH.t(), out=logits_BV)
 
     # ----------------------------------------------------------------------------------------- prefill
     def prefill(
@@ -179,62 +218,102 @@ class MoeDecoder:
         """Run the flat tokens of `pieces` (concatenated in order) through the model, writing their K/V into the
         cache. Returns fp32 logits [len(last_index), V] at the flat indices `last_index` and the routed experts
         [T, L, K] (int64) of every token."""
-        s, cache = self.spec, self.cache
+        cache = self.cache
         device = tokens_T.device
-        slots_T = torch.cat([torch.full((p.length,), p.slot, dtype=torch.long) for p in pieces]).to(device)
-        positions_T = torch.cat([torch.arange(p.start, p.start + p.length) for p in pieces]).to(device)
+        slots_T = torch.cat([torch.full((p.length,), p.slot, dtype=torch.long) for p in pieces])
+        positions_T = torch.cat([torch.arange(p.start, p.start + p.length) for p in pieces])
+        cache_rows_T = (slots_T * cache.max_model_len + positions_T).to(device)
+        positions_T = positions_T.to(device)
         cos_TD, sin_TD = self.cos_PD[positions_T], self.sin_PD[positions_T]
-        routes_TLK = torch.empty(
-            tokens_T.shape[0], s.num_moe_layers, s.top_k, dtype=torch.long, device=device
-        )
+        groups, continued = self._attention_plan(pieces, device)
         x_TH = self.weights.embed_VH[tokens_T]
-        moe_index = s.moe_layer_index
+        ids = []
         for i, layer in enumerate(self.weights.layers):
-            q_TND, k_TMD, v_TMD = self._qkv(layer, self._norm(x_TH, layer.input_norm_H), cos_TD, sin_TD)
-            cache.k_LSNPD[i][slots_T, :, positions_T] = k_TMD
-            cache.v_LSNPD[i][slots_T, :, positions_T] = v_TMD
-            attn_TQ = self._prefill_attention(i, pieces, q_TND, k_TMD, v_TMD)
-            x_TH = self._out_proj(layer, attn_TQ, x_TH)
-            x_TH, ids_TK = self._mlp(layer, self._norm(x_TH, layer.post_norm_H), x_TH)
+
+            def attend(q, k, v, i=i):
+                return self._prefill_attention(i, groups, continued, q, k, v)
+
+            x_TH, ids_TK = self._layer(i, layer, x_TH, cos_TD, sin_TD, cache_rows_T, attend)
             if ids_TK is not None:
-                routes_TLK[:, moe_index[i]] = ids_TK
+                ids.append(ids_TK)
         last_R = torch.tensor(last_index, dtype=torch.long, device=device)
-        return self.logits(x_TH[last_R]), routes_TLK
+        return self.logits(x_TH[last_R]), torch.stack(ids, dim=1)
+
+    def _attention_plan(
+        self, pieces: list[PrefillPiece], device: torch.device
+    ) -> tuple[list[_AttentionGroup], list[tuple[PrefillPiece, int]]]:
+        """Fresh pieces (start 0) grouped by length (padding at most doubles a group's tokens) for batched
+        attention; continued pieces (chunked prefill) are attended one by one over their cached prefix."""
+        offsets, offset = [], 0
+        for p in pieces:
+            offsets.append(offset)
+            offset += p.length
+        fresh = sorted((p.length, off) for p, off in zip(pieces, offsets) if p.start == 0)[::-1]
+        continued = [(p, off) for p, off in zip(pieces, offsets) if p.start > 0]
+        groups, current = [], []
+        for length, off in fresh:
+            if current and (len(current) + 1) * current[0][0] > 2 * (sum(n for n, _ in current) + length):
+                groups.append(self._group(current, device))
+                current = []
+            current.append((length, off))
+        if current:
+            groups.append(self._group(current, device))
+        return groups, continued
+
+    def _group(self, members: list[tuple[int, int]], device: torch.device) -> _AttentionGroup:
+        longest = members[0][0]
+        pos_L = torch.arange(longest)
+        lengths_n = torch.tensor([n for n, _ in members])
+        valid_nl = pos_L[None, :] < lengths_n[:, None]
+        starts_n = torch.tensor([off for _, off in members])
+        gather_nl = starts_n[:, None] + torch.minimum(pos_L[None, :], lengths_n[:, None] - 1)
+        mask = None
+        if bool((lengths_n != longest).any()):
+            causal_ll = pos_L[None, :] <= pos_L[:, None]
+            mask = (causal_ll[None] & valid_nl[:, None, :]).unsqueeze(1).to(device)
+        return _AttentionGroup(
+            gather_nl.to(device), valid_nl.to(device), gather_nl[valid_nl].to(device), mask
+        )
 
     def _prefill_attention(
         self,
         layer_index: int,
-        pieces: list[PrefillPiece],
+        groups: list[_AttentionGroup],
+        continued: list[tuple[PrefillPiece, int]],
         q_TND: torch.Tensor,
         k_TMD: torch.Tensor,
         v_TMD: torch.Tensor,
     ) -> torch.Tensor:
-        """Causal attention of each piece over its sequence so far (earlier pieces are read from the cache)."""
-        s, cache = self.spec, self.cache
-        groups = s.num_heads // s.num_kv_heads
-        outs, offset = [], 0
-        for p in pieces:
-            q_1NTD = q_TND[offset : offset + p.length].transpose(0, 1).unsqueeze(0)
-            if p.start == 0:
-                k_MSD = k_TMD[offset : offset + p.length].transpose(0, 1)
-                v_MSD = v_TMD[offset : offset + p.length].transpose(0, 1)
-                mask, causal = None, True
-            else:
-                end = p.start + p.length
-                k_MSD = cache.k_LSNPD[layer_index, p.slot, :, :end]
-                v_MSD = cache.v_LSNPD[layer_index, p.slot, :, :end]
-                q_pos = torch.arange(p.start, end, device=q_TND.device)
-                mask = self.positions_P[:end][None, :] <= q_pos[:, None]
-                causal = False
+        """Causal attention of every piece over its sequence so far, as [T, N * D]."""
+        s = self.spec
+        reps = s.num_heads // s.num_kv_heads
+        out_TND = torch.empty_like(q_TND, memory_format=torch.contiguous_format)
+        for g in groups:
             # K/V expanded to all query heads so SDPA can use its fused kernels (no GQA support with masks).
-            out_1NTD = F.scaled_dot_product_attention(
-                q_1NTD,
-                k_MSD.repeat_interleave(groups, dim=0).unsqueeze(0),
-                v_MSD.repeat_interleave(groups, dim=0).unsqueeze(0),
-                attn_mask=mask,
-                is_causal=causal,
+            q_nNLD = q_TND[g.gather_nl].transpose(1, 2)
+            k_nNLD = k_TMD[g.gather_nl].repeat_interleave(reps, dim=2).transpose(1, 2)
+            v_nNLD = v_TMD[g.gather_nl].repeat_interleave(reps, dim=2).transpose(1, 2)
+            o_nNLD = F.scaled_dot_product_attention(
+                q_nNLD,
+                k_nNLD,
+                v_nNLD,
+                attn_mask=g.mask_n1ll,
+                is_causal=g.mask_n1ll is None,
                 scale=s.head_dim**-0.5,
             )
-            outs.append(out_1NTD[0].transpose(0, 1).reshape(p.length, s.q_size))
-            offset += p.length
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+            out_TND[g.scatter_t] = o_nNLD.transpose(1, 2)[g.valid_nl]
+        for p, off in continued:
+            end = p.start + p.length
+            k_MSD = self.cache.k_LSPND[layer_index, p.slot, :end].transpose(0, 1)
+            v_MSD = self.cache.v_LSPND[layer_index, p.slot, :end].transpose(0, 1)
+            q_pos = torch.arange(p.start, end, device=q_TND.device)
+            mask_QS = self.positions_P[:end][None, :] <= q_pos[:, None]
+            o_1NQD = F.scaled_dot_product_attention(
+                q_TND[off : off + p.length].transpose(0, 1).unsqueeze(0),
+                k_MSD.repeat_interleave(reps, dim=0).unsqueeze(0),
+                v_MSD.repeat_interleave(reps, dim=0).unsqueeze(0),
+                attn_mask=mask_QS,
+                scale=s.head_dim**-0.5,
+            )
+            out_TND[off : off + p.length] = o_1NQD[0].transpose(0, 1)
+        return out_TND.view(q_TND.shape[0], s.q_size)

@@ -66,17 +66,19 @@ def sample(
     uniform_B: torch.Tensor,
     filtered: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens [B] and their log-probs [B] (see the module docstring); `filtered` False skips the top-k/p sort."""
+    """Tokens [B] and their log-probs [B] (see the module docstring); `filtered` False skips the top-k/p sort.
+    log p(t) = z_t - logsumexp(z), z = logits / T (T = 1 for greedy rows), computed in fp32."""
+    logits_BV = logits_BV.float()
     greedy_B = temperature_B <= 0
     scaled_BV = logits_BV / torch.where(greedy_B, 1.0, temperature_B)[:, None]
-    logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
+    lse_B = torch.logsumexp(scaled_BV, dim=-1)
     if filtered:
         keep_BV = top_k_top_p_mask(scaled_BV, top_k_B, top_p_B)
         probs_BV = torch.softmax(scaled_BV.masked_fill(~keep_BV, float("-inf")), dim=-1)
     else:
-        probs_BV = logprobs_BV.exp()
+        probs_BV = torch.exp(scaled_BV - lse_B[:, None])
     cdf_BV = torch.cumsum(probs_BV, dim=-1, dtype=torch.float64)
     target_B1 = (uniform_B * cdf_BV[:, -1]).unsqueeze(1)
     drawn_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1).clamp_(max=logits_BV.shape[-1] - 1)
     tokens_B = torch.where(greedy_B, logits_BV.argmax(dim=-1), drawn_B)
-    return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+    return tokens_B, scaled_BV.gather(1, tokens_B[:, None]).squeeze(1) - lse_B
