@@ -28,9 +28,12 @@ class RelibraConfig:
     microbatch_tokens: int = spec(256, ge=1, help="tokens per micro-batch when cutting token-order logs")
     # Knobs of the planners in relibra.planners (added with the planners; defaults are ours).
     seed: int = spec(0, ge=0, help="seeds the planners' random streams (plans are deterministic)")
-    anneal_candidates: int = spec(16, ge=1, help="swaps evaluated per annealing move (best one proposed)")
+    anneal_candidates: int = spec(32, ge=1, help="swaps evaluated per annealing move (best one proposed)")
     reorder_node_weight: float = spec(1.0, ge=0, help="alpha: smoothed max node load / gpus per node")
     reorder_gpu_weight: float = spec(0.25, ge=0, help="alpha': smoothed max GPU load")
     reorder_comm_weight: float = spec(1.0, ge=0, help="beta: smoothed max cross-node dispatch time")
     reorder_migration_weight: float = spec(1.0, ge=0, help="gamma: time to migrate moved experts' state")
+    planner_threads: int = spec(
+        2, ge=1, help="threads that plan chunks of layers in parallel (numpy kernels)"
+    )
     eplb_num_groups: int = spec(0, ge=0, help="EPLB expert groups; 0 = one group per expert")

@@ -1,0 +1,295 @@
+"""Cost model of a MoE training step under a plan, and the step-time simulation of specs/relibra.md "Cost model".
+
+Per (micro-batch m, layer l), everything in microseconds:
+
+- compute(m, l) = max_g sum_{instances i on g} (1 + f_bwd) t_gemm(n_i),
+  t_gemm(n) = a ceil(n / tile) tile + b [n > 0].
+- all-to-all(m, l) = 4 (max over GPUs and directions of max(nic_bytes / B_nic, nvlink_bytes / B_nvl) + lat);
+  bytes = pairs x hidden x 2 (bf16); pairs computed on their own source GPU cost nothing; dispatch and combine,
+  forward and backward.
+- replication(m, l) (per-(m, l) replicas): forward max_g max(0, push_g / B_nvl - attn_g), backward
+  max_g max(0, (push_g + grads_g) / B_nvl - f_bwd attn_g), where push_g / grads_g are the bf16 weights / fp32
+  gradients GPU g receives or sends (the larger), attn_g its attention time (the window that hides them).
+- Step time = sum over (m, l) of [compute + all-to-all + replication] + non-MoE + migration, where migration
+  moves ~14 bytes per parameter of every expert whose owner changed (split over optimizer shards) and
+  non-MoE = sum over (m, l) of (1 + f_bwd) max_s attn_s.
+
+Departures (ours): EPLB-style plans (persistent copies) pay once per step to push weights to every copy and
+reduce its gradients to the owner, counted as exposed; a transfer batch adds `transfer_latency_us` once. The ideal
+reference (`ideal_step_cost`) computes sum_e t_gemm(W_e) / G per (m, l) (the plan-independent work spread
+perfectly), moves P / G pairs in and out of every GPU with the node mix of uniform traffic, and has no
+replication or migration. "MoE time" below is everything except non-MoE.
+
+Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots per GPU, Z nodes, P pairs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from relibra.plan import Plan, Topology
+
+__all__ = ["CostModel", "StepCost", "ideal_step_cost", "step_cost"]
+
+NUM_ALLTOALLS = 4  # dispatch + combine, forward + backward
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Calibratable parameters (units in the YAML file next to this module, which holds the Hopper defaults)."""
+
+    hidden_size: int
+    expert_ffn_hidden_size: int
+    gemm_us_per_token: float
+    gemm_us_fixed: float
+    gemm_tile: int
+    backward_factor: float
+    nvlink_gb_per_s: float
+    nic_gb_per_s: float
+    alltoall_latency_us: float
+    transfer_latency_us: float
+    attention_us_per_token: float
+    activation_bytes: int = 2
+    weight_bytes_per_param: int = 2
+    grad_bytes_per_param: int = 4
+    optimizer_bytes_per_param: int = 14
+    optimizer_shards: int = 1
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"CostModel.{f.name} must be a non-negative number, got {value!r}")
+        for name in ("gemm_tile", "nvlink_gb_per_s", "nic_gb_per_s", "optimizer_shards", "hidden_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"CostModel.{name} must be > 0, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path | None = None) -> CostModel:
+        """Read a cost-model YAML; None reads the packaged Hopper defaults. Unknown or missing keys raise."""
+        import yaml  # local: keep `import relibra.cost_model` light for config modules
+
+        if path is None:
+            text = resources.files("relibra").joinpath("cost_model_hopper.yaml").read_text()
+            where = "relibra/cost_model_hopper.yaml"
+        else:
+            text, where = Path(path).read_text(), str(path)
+        data = yaml.safe_load(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected a mapping of cost-model parameters")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"{where}: unknown cost-model keys {sorted(unknown)}; known: {sorted(known)}")
+        try:
+            return cls(**data)
+        except TypeError as err:
+            raise ValueError(f"{where}: {err}") from None
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one SwiGLU expert: gate, up and down projections."""
+        return 3 * self.hidden_size * self.expert_ffn_hidden_size
+
+    @property
+    def pair_bytes(self) -> int:
+        return self.hidden_size * self.activation_bytes
+
+    def gemm_us(self, n: np.ndarray) -> np.ndarray:
+        """Forward t_gemm(n) = a ceil(n / tile) tile + b [n > 0] for an array of pair counts."""
+        n = np.asarray(n)
+        tiles = -(-n // self.gemm_tile)
+        return self.gemm_us_per_token * self.gemm_tile * tiles + self.gemm_us_fixed * (n > 0)
+
+    def train_gemm_us(self, n: np.ndarray) -> np.ndarray:
+        """Forward plus backward expert time (1 + f_bwd) t_gemm(n)."""
+        return (1.0 + self.backward_factor) * self.gemm_us(n)
+
+    def nvlink_us(self, num_bytes: np.ndarray) -> np.ndarray:
+        return np.asarray(num_bytes) / (self.nvlink_gb_per_s * 1e3)
+
+    def nic_us(self, num_bytes: np.ndarray) -> np.ndarray:
+        return np.asarray(num_bytes) / (self.nic_gb_per_s * 1e3)
+
+    def migration_bytes_per_expert(self) -> float:
+        return self.expert_params * self.optimizer_bytes_per_param / self.optimizer_shards
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Simulated time of one training step (microseconds, summed over its (m, l)) and its load metrics.
+
+    skew_ML: max/mean pairs per GPU for every (m, l) (NaN where the micro-batch routes nothing).
+    cross_node_bytes: dispatch/combine bytes that cross a node boundary (all four all-to-alls).
+    migration_bytes: bytes of optimizer state moved because owners changed.
+    """
+
+    compute_us: float
+    alltoall_us: float
+    replication_us: float
+    migration_us: float
+    non_moe_us: float
+    cross_node_bytes: float
+    migration_bytes: float
+    skew_ML: np.ndarray
+
+    @property
+    def moe_us(self) -> float:
+        return self.compute_us + self.alltoall_us + self.replication_us + self.migration_us
+
+    @property
+    def step_us(self) -> float:
+        return self.moe_us + self.non_moe_us
+
+
+def _attention_us_MG(loads_MLSE: np.ndarray, topk: int, cost: CostModel) -> np.ndarray:
+    tokens_MS = loads_MLSE[:, 0].sum(axis=-1) / topk
+    return cost.attention_us_per_token * tokens_MS
+
+
+def _non_moe_us(loads_MLSE: np.ndarray, topk: int, cost: CostModel) -> float:
+    L = loads_MLSE.shape[1]
+    return float(
+        L * (1.0 + cost.backward_factor) * _attention_us_MG(loads_MLSE, topk, cost).max(axis=1).sum()
+    )
+
+
+def _skew_ML(tokens_MLG: np.ndarray) -> np.ndarray:
+    mean = tokens_MLG.mean(axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(mean > 0, tokens_MLG.max(axis=-1) / np.where(mean > 0, mean, 1), np.nan)
+
+
+def _link_time_us(nic_bytes: np.ndarray, nvl_bytes: np.ndarray, cost: CostModel, axis) -> np.ndarray:
+    """max over the given axes of max(nic / B_nic, nvlink / B_nvl)."""
+    return np.maximum(cost.nic_us(nic_bytes.max(axis=axis)), cost.nvlink_us(nvl_bytes.max(axis=axis)))
+
+
+def _alltoall(plan: Plan, topo: Topology, cost: CostModel) -> tuple[float, float]:
+    traffic_MLGS = plan.quota_MLGJS.sum(axis=3, dtype=np.int64)  # dest GPU g, source rank s
+    node = topo.node_of_gpu()
+    same = node[:, None] == node[None, :]
+    local = np.eye(topo.num_gpus, dtype=bool)
+    cross = traffic_MLGS * ~same
+    nvl = traffic_MLGS * (same & ~local)
+    nic_io = np.concatenate([cross.sum(axis=3), cross.sum(axis=2)], axis=-1) * cost.pair_bytes
+    nvl_io = np.concatenate([nvl.sum(axis=3), nvl.sum(axis=2)], axis=-1) * cost.pair_bytes
+    busy = traffic_MLGS.sum(axis=(2, 3)) > 0
+    per_ml = _link_time_us(nic_io, nvl_io, cost, axis=-1) + cost.alltoall_latency_us * busy
+    return NUM_ALLTOALLS * float(per_ml.sum()), NUM_ALLTOALLS * float(cross.sum()) * cost.pair_bytes
+
+
+def _transient_replication_us(plan: Plan, attn_MG: np.ndarray, cost: CostModel) -> float:
+    """Exposed push / gradient-return time of per-(m, l) replicas (ReLibra-style plans)."""
+    M, L, G, _ = plan.slots_MLGJ.shape
+    rep = plan.slots_MLGJ[..., plan.num_home_slots :]
+    valid = rep >= 0
+    if not valid.any():
+        return 0.0
+    m_idx, l_idx, _, _ = np.nonzero(valid)
+    owner = plan.home_LE[l_idx, rep[valid]]
+    outgoing_MLG = np.bincount((m_idx * L + l_idx) * G + owner, minlength=M * L * G).reshape(M, L, G)
+    copies_MLG = np.maximum(valid.sum(axis=-1), outgoing_MLG)
+    w_bytes = cost.expert_params * cost.weight_bytes_per_param
+    g_bytes = cost.expert_params * cost.grad_bytes_per_param
+    latency = cost.transfer_latency_us * (copies_MLG > 0)
+    attn = attn_MG[:, None, :]
+    fwd = np.maximum(0.0, latency + cost.nvlink_us(copies_MLG * w_bytes) - attn)
+    bwd = np.maximum(
+        0.0, latency + cost.nvlink_us(copies_MLG * (w_bytes + g_bytes)) - cost.backward_factor * attn
+    )
+    return float(fwd.max(axis=-1).sum() + bwd.max(axis=-1).sum())
+
+
+def _persistent_replication_us(plan: Plan, topo: Topology, cost: CostModel) -> float:
+    """EPLB-style copies: once per step, push weights to every non-owner copy and reduce its gradients back."""
+    slots_LGJ = np.asarray(plan.slots_MLGJ[0])
+    _L, _G, _J = slots_LGJ.shape
+    valid = slots_LGJ >= 0
+    l_idx, g_idx, _ = np.nonzero(valid)
+    owner = plan.home_LE[l_idx, slots_LGJ[valid]]
+    per_copy = cost.expert_params * (cost.weight_bytes_per_param + cost.grad_bytes_per_param)
+    time, _ = _transfer_us(owner, g_idx, np.full(len(owner), float(per_copy)), topo, cost)
+    return time
+
+
+def _transfer_us(src_X: np.ndarray, dst_X: np.ndarray, bytes_X: np.ndarray, topo: Topology, cost: CostModel):
+    """Time of one batch of point-to-point transfers: max over GPUs and directions, NIC vs NVLink, + latency."""
+    moving = src_X != dst_X
+    if not moving.any():
+        return 0.0, 0.0
+    src, dst, nbytes = src_X[moving], dst_X[moving], bytes_X[moving]
+    node = topo.node_of_gpu()
+    cross = node[src] != node[dst]
+    G = topo.num_gpus
+    nic = np.zeros(2 * G)
+    nvl = np.zeros(2 * G)
+    np.add.at(nic, src[cross], nbytes[cross])
+    np.add.at(nic, G + dst[cross], nbytes[cross])
+    np.add.at(nvl, src[~cross], nbytes[~cross])
+    np.add.at(nvl, G + dst[~cross], nbytes[~cross])
+    time = float(max(cost.nic_us(nic.max()), cost.nvlink_us(nvl.max()))) + cost.transfer_latency_us
+    return time, float(nbytes[cross].sum())
+
+
+def _migration(prev_home_LE: np.ndarray, home_LE: np.ndarray, topo: Topology, cost: CostModel):
+    per_expert = cost.migration_bytes_per_expert()
+    src, dst = prev_home_LE.reshape(-1), home_LE.reshape(-1)
+    return _transfer_us(src, dst, np.full(len(src), per_expert), topo, cost)
+
+
+def step_cost(
+    plan: Plan, loads_MLSE: np.ndarray, topk: int, topo: Topology, cost: CostModel, prev_home_LE: np.ndarray
+) -> StepCost:
+    """Simulated time of one step under `plan` (module docstring); `prev_home_LE` is the placement before it."""
+    attn_MG = _attention_us_MG(loads_MLSE, topk, cost)
+    served_MLGJ = plan.served_MLGJ()
+    compute = float(cost.train_gemm_us(served_MLGJ).sum(axis=-1).max(axis=-1).sum())
+    alltoall, cross_bytes = _alltoall(plan, topo, cost)
+    if plan.persistent_replicas:
+        replication = _persistent_replication_us(plan, topo, cost)
+    else:
+        replication = _transient_replication_us(plan, attn_MG, cost)
+    migration, migration_bytes = _migration(prev_home_LE, plan.home_LE, topo, cost)
+    return StepCost(
+        compute_us=compute,
+        alltoall_us=alltoall,
+        replication_us=replication,
+        migration_us=migration,
+        non_moe_us=_non_moe_us(loads_MLSE, topk, cost),
+        cross_node_bytes=cross_bytes,
+        migration_bytes=migration_bytes,
+        skew_ML=_skew_ML(served_MLGJ.sum(axis=-1)),
+    )
+
+
+def ideal_step_cost(loads_MLSE: np.ndarray, topk: int, topo: Topology, cost: CostModel) -> StepCost:
+    """Closed form of the ideal reference: per (m, l), with W_e the pairs of expert e and P = sum_e W_e,
+
+    compute = (1 + f_bwd) sum_e t_gemm(W_e) / G,
+    all-to-all = 4 (max((P / G) ((G - Q) / G) bytes / B_nic, (P / G) ((Q - 1) / G) bytes / B_nvl) + lat [P > 0]),
+    no replication, no migration; skew 1.
+    """
+    G, Q = topo.num_gpus, topo.node_size
+    W_MLE = loads_MLSE.sum(axis=2)
+    P_ML = W_MLE.sum(axis=-1).astype(np.float64)
+    compute = float(cost.train_gemm_us(W_MLE).sum() / G)
+    per_gpu_bytes = P_ML / G * cost.pair_bytes
+    link = np.maximum(cost.nic_us(per_gpu_bytes * (G - Q) / G), cost.nvlink_us(per_gpu_bytes * (Q - 1) / G))
+    alltoall = NUM_ALLTOALLS * float((link + cost.alltoall_latency_us * (P_ML > 0)).sum())
+    cross_bytes = NUM_ALLTOALLS * float(P_ML.sum()) * (G - Q) / G * cost.pair_bytes
+    return StepCost(
+        compute_us=compute,
+        alltoall_us=alltoall,
+        replication_us=0.0,
+        migration_us=0.0,
+        non_moe_us=_non_moe_us(loads_MLSE, topk, cost),
+        cross_node_bytes=cross_bytes,
+        migration_bytes=0.0,
+        skew_ML=np.where(P_ML > 0, 1.0, np.nan),
+    )

@@ -1,0 +1,171 @@
+"""Planners registered by name in `PLANNERS`: pure functions `(loads_MLSE, ctx, state) -> (plan, next_state)`.
+
+- `static`: Megatron-Core's contiguous placement, no replicas.
+- `ideal`: the perfectly balanced reference (an `IdealPlan`, evaluated in closed form by the simulator).
+- `eplb_history` / `eplb_oracle`: DeepSeek's EPLB (hierarchical policy, global where groups do not divide among
+  nodes) fed a moving average of past steps / the current step's exact load; `*_global` force the global policy.
+- `relibra`: simulated-annealing reorder across nodes + per-(m, l) intra-node replication with locality-aware
+  splitting.
+- ablations: `reorder_only` (annealing, no replicas), `replicate_only` (static homes + replication),
+  `greedy_lpt` (LPT reorder + replication).
+
+Legend: M micro-batches, L layers, S source ranks, E experts.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from relibra.plan import IdealPlan, Plan, PlannerState, static_home_LE
+from relibra.planners.base import PlanContext, PlannerFn, check_loads, home_plan, next_state, previous_home
+from relibra.planners.eplb import eplb_plan
+from relibra.planners.reorder import (
+    ReorderWeights,
+    anneal_home,
+    greedy_lpt_home,
+    reorder_objective_L,
+    reorder_problem,
+)
+from relibra.planners.replicate import replicated_plan
+from tppo.registry import Registry
+
+__all__ = ["PLANNERS", "PlanContext", "PlannerFn", "run_planner"]
+
+PLANNERS: Registry[PlannerFn] = Registry("relibra planner")
+
+
+def run_planner(name: str, loads_MLSE: np.ndarray, ctx: PlanContext, state: PlannerState):
+    """Look up `name` and plan one step; returns (plan, next_state)."""
+    return PLANNERS.get(name)(check_loads(loads_MLSE, ctx.topo), ctx, state)
+
+
+@PLANNERS.register("static")
+def plan_static(loads_MLSE: np.ndarray, ctx: PlanContext, state: PlannerState):
+    home = static_home_LE(loads_MLSE.shape[1], ctx.topo)
+    return home_plan(loads_MLSE, home, ctx.topo), next_state(state, home)
+
+
+@PLANNERS.register("ideal")
+def plan_ideal(loads_MLSE: np.ndarray, ctx: PlanContext, state: PlannerState):
+    return IdealPlan(num_layers=loads_MLSE.shape[1], num_experts=ctx.topo.num_experts), next_state(
+        state, previous_home(state, loads_MLSE.shape[1], ctx.topo)
+    )
+
+
+def _eplb(loads_MLSE, ctx: PlanContext, state: PlannerState, weight_LE, hierarchical: bool) -> Plan:
+    prev = previous_home(state, loads_MLSE.shape[1], ctx.topo)
+    return eplb_plan(loads_MLSE, weight_LE, ctx.topo, prev, ctx.config.eplb_num_groups, hierarchical)
+
+
+def _history_step(loads_MLSE, ctx: PlanContext, state: PlannerState, hierarchical: bool):
+    current = loads_MLSE.sum(axis=(0, 2)).astype(np.float64)
+    estimate = state.history_LE if state.history_LE is not None else np.ones_like(current)
+    plan = _eplb(loads_MLSE, ctx, state, estimate, hierarchical)
+    decay = ctx.config.history_decay
+    history = current if state.history_LE is None else decay * state.history_LE + (1 - decay) * current
+    return plan, next_state(state, plan.home_LE, history)
+
+
+def _oracle_step(loads_MLSE, ctx: PlanContext, state: PlannerState, hierarchical: bool):
+    plan = _eplb(loads_MLSE, ctx, state, loads_MLSE.sum(axis=(0, 2)).astype(np.float64), hierarchical)
+    return plan, next_state(state, plan.home_LE)
+
+
+@PLANNERS.register("eplb_history")
+def plan_eplb_history(loads_MLSE, ctx, state):
+    return _history_step(loads_MLSE, ctx, state, hierarchical=True)
+
+
+@PLANNERS.register("eplb_oracle")
+def plan_eplb_oracle(loads_MLSE, ctx, state):
+    return _oracle_step(loads_MLSE, ctx, state, hierarchical=True)
+
+
+@PLANNERS.register("eplb_history_global")
+def plan_eplb_history_global(loads_MLSE, ctx, state):
+    return _history_step(loads_MLSE, ctx, state, hierarchical=False)
+
+
+@PLANNERS.register("eplb_oracle_global")
+def plan_eplb_oracle_global(loads_MLSE, ctx, state):
+    return _oracle_step(loads_MLSE, ctx, state, hierarchical=False)
+
+
+def annealed_home(loads_MLSE: np.ndarray, prev_LE: np.ndarray, ctx: PlanContext, rng) -> np.ndarray:
+    """The reorder step of ReLibra: anneal from the better of the previous placement and LPT (per layer)."""
+    cfg, topo = ctx.config, ctx.topo
+    prob = reorder_problem(loads_MLSE, prev_LE, topo, ReorderWeights.from_config(cfg, ctx.cost, topo))
+    lpt = greedy_lpt_home(loads_MLSE, topo)
+    use_lpt = reorder_objective_L(prob, lpt) < reorder_objective_L(prob, prev_LE)
+    start = np.where(use_lpt[:, None], lpt, prev_LE)
+    return anneal_home(
+        prob, start, rng, cfg.anneal_iters, cfg.anneal_candidates, cfg.anneal_t0, cfg.anneal_cooling
+    )
+
+
+def _by_layer_chunks(loads_MLSE, ctx: PlanContext, state: PlannerState, plan_chunk) -> Plan:
+    """Layers are independent in every ReLibra stage: plan fixed chunks of layers on `planner_threads` threads
+    (NumPy releases the GIL in its kernels) and stitch the plans. Chunk k draws from the random stream
+    (seed, step, k), so a plan depends on the seed and the thread count, not on scheduling."""
+    L = loads_MLSE.shape[1]
+    prev = previous_home(state, L, ctx.topo)
+    chunks = [c for c in np.array_split(np.arange(L), max(1, min(ctx.config.planner_threads, L))) if len(c)]
+    jobs = [
+        (
+            loads_MLSE[:, c[0] : c[-1] + 1],
+            prev[c[0] : c[-1] + 1],
+            np.random.default_rng([ctx.config.seed, state.num_steps, k]),
+        )
+        for k, c in enumerate(chunks)
+    ]
+    if len(jobs) == 1:
+        parts = [plan_chunk(*jobs[0])]
+    else:
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            parts = list(pool.map(lambda job: plan_chunk(*job), jobs))
+    return Plan(
+        home_LE=np.concatenate([p.home_LE for p in parts]),
+        slots_MLGJ=np.concatenate([p.slots_MLGJ for p in parts], axis=1),
+        quota_MLGJS=np.concatenate([p.quota_MLGJS for p in parts], axis=1),
+        num_home_slots=ctx.topo.num_home_slots,
+    )
+
+
+@PLANNERS.register("relibra")
+def plan_relibra(loads_MLSE, ctx, state):
+    def chunk(loads, prev, rng):
+        home = annealed_home(loads, prev, ctx, rng)
+        return replicated_plan(loads, home, ctx.topo, ctx.config, ctx.cost)
+
+    plan = _by_layer_chunks(loads_MLSE, ctx, state, chunk)
+    return plan, next_state(state, plan.home_LE)
+
+
+@PLANNERS.register("reorder_only")
+def plan_reorder_only(loads_MLSE, ctx, state):
+    def chunk(loads, prev, rng):
+        return home_plan(loads, annealed_home(loads, prev, ctx, rng), ctx.topo)
+
+    plan = _by_layer_chunks(loads_MLSE, ctx, state, chunk)
+    return plan, next_state(state, plan.home_LE)
+
+
+@PLANNERS.register("replicate_only")
+def plan_replicate_only(loads_MLSE, ctx, state):
+    def chunk(loads, prev, rng):
+        home = static_home_LE(loads.shape[1], ctx.topo)
+        return replicated_plan(loads, home, ctx.topo, ctx.config, ctx.cost)
+
+    plan = _by_layer_chunks(loads_MLSE, ctx, state, chunk)
+    return plan, next_state(state, plan.home_LE)
+
+
+@PLANNERS.register("greedy_lpt")
+def plan_greedy_lpt(loads_MLSE, ctx, state):
+    def chunk(loads, prev, rng):
+        return replicated_plan(loads, greedy_lpt_home(loads, ctx.topo), ctx.topo, ctx.config, ctx.cost)
+
+    plan = _by_layer_chunks(loads_MLSE, ctx, state, chunk)
+    return plan, next_state(state, plan.home_LE)

@@ -1,0 +1,351 @@
+"""Intra-batch replication inside a node, per (micro-batch, layer), and locality-aware token splitting.
+
+Greedy (specs/relibra.md, vectorised over every (m, l, node) problem at once). Every home expert's pairs are two
+items: NEAR pairs (sources on the node: NVLink or local) and FAR pairs (sources on other nodes: they arrive over
+the receiving GPU's NIC). A GPU carries compute load C_g (all its pairs) and NIC load F_g (its far pairs), with
+targets T_C = ceil(sum C / Q) and T_F = sum F / Q over the node's Q GPUs. While some GPU exceeds a target by more
+than eps and a move is possible:
+  pick the binding resource: NIC if kappa (max F - T_F) > max C - T_C, else compute, where kappa = (4 bytes /
+  B_nic) / (a (1 + f_bwd)) prices a far pair's all-to-all time in compute pairs; the hot GPU h is the one with
+  the largest load of that resource;
+  compute-bound: move NEAR pairs (compute only); NIC-bound: move FAR pairs (both loads);
+  destinations: GPUs of the node other than h holding a replica of the expert (top-up) or with a free replica
+  slot (new replica), below the target(s) the move adds to; amount x = min(excess of h, slack of the
+  destination, movable pairs), rounded down to the GEMM tile unless it empties the item; a new replica needs
+  x >= min_replica_tokens (tiny GEMMs are inefficient) and may take up to max(excess, min_replica_tokens);
+  take the expert with the most movable pairs that has a legal move and its least loaded destination.
+A resource whose move is impossible is skipped until some move succeeds; the problem stops when both are.
+With one node (no far pairs) this is the spec's token greedy exactly.
+
+Departures (ours): the spec levels tokens only; measured on the generator, the GPUs owning far-sourced experts
+then held the NIC bottleneck of the all-to-all (1.3x the ideal receive volume) while compute was level, so the
+greedy levels both loads and decides which pairs (near or far) each replica serves ("joint replica placement and
+token splitting"). "Hottest splittable expert" is the one with the most movable pairs that has a legal move.
+
+Token split: instance i of an expert serves FAR_i far pairs and NEAR_i near pairs (decided above; the home keeps
+the rest). Locality first: each instance takes the near pairs of the source on its own GPU (no transfer) up to
+NEAR_i; then far sources fill the far shares and the remaining near sources the near shares by prefix sums
+(north-west corner rule, sources in rank order, instances home first then replicas by slot).
+
+Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, Z nodes, Q GPUs per node, H home slots,
+R replica slots, J = H + R, B problems (m, l, z), X replicated experts, I instances of one expert, K items.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from relibra.cost_model import NUM_ALLTOALLS, CostModel
+from relibra.plan import Plan, Topology, home_slots_LGH
+from relibra.planners.base import empty_quota_MLGJS
+
+__all__ = ["ReplicaSet", "greedy_replicas", "northwest_segments", "replicated_plan", "split_quota_MLGJS"]
+
+
+@dataclass(frozen=True)
+class ReplicaSet:
+    """Replicas of one step, per problem b = (m * L + l) * Z + z.
+
+    local_BQR: home slot (q_owner * H + h) copied into replica slot r of GPU q, -1 if empty.
+    near_BQR / far_BQR: near / far pairs that copy computes.
+    near_left_BQH / far_left_BQH: near / far pairs each home instance keeps.
+    """
+
+    local_BQR: np.ndarray
+    near_BQR: np.ndarray
+    far_BQR: np.ndarray
+    near_left_BQH: np.ndarray
+    far_left_BQH: np.ndarray
+
+
+def _split_loads_BQH(loads_MLSE: np.ndarray, slots_LGH: np.ndarray, topo: Topology):
+    """(near, far) pairs [B, Q, H] of every home expert: near from sources on the owner's node, far the rest."""
+    M, L, _S, E = loads_MLSE.shape
+    Z, Q, H = topo.num_nodes, topo.node_size, topo.num_home_slots
+    lidx = np.arange(L)[:, None, None]
+    W = loads_MLSE.sum(axis=2)[:, lidx, slots_LGH]
+    near_MLZE = loads_MLSE.reshape(M, L, Z, Q, E).sum(axis=3)
+    node_LGH = np.broadcast_to(topo.node_of_gpu()[None, :, None], slots_LGH.shape)
+    near = near_MLZE[:, lidx, node_LGH, slots_LGH]
+    shape = (M * L * Z, Q, H)
+    return near.reshape(shape).astype(np.int64), (W - near).reshape(shape).astype(np.int64)
+
+
+class _Greedy:
+    """Vectorised state of the greedy over all problems (see the module docstring)."""
+
+    def __init__(
+        self, near_BQH, far_BQH, num_replica_slots: int, min_pairs: int, eps: float, tile: int, kappa
+    ):
+        B, Q, H = near_BQH.shape
+        self.Q, self.H, self.R = Q, H, num_replica_slots
+        self.min_pairs, self.eps, self.tile, self.kappa = max(min_pairs, 1), eps, tile, kappa
+        self.rem = np.stack([near_BQH, far_BQH], axis=1).astype(np.int64)  # [B, 2, Q, H]: item 0 near, 1 far
+        self.load_C = self.rem.sum(axis=(1, 3)).astype(np.float64)  # [B, Q]
+        self.load_F = self.rem[:, 1].sum(axis=-1).astype(np.float64)
+        self.T_C = np.ceil(self.load_C.sum(axis=-1) / Q)
+        self.T_F = self.load_F.sum(axis=-1) / Q
+        self.local = np.full((B, Q, num_replica_slots), -1, dtype=np.int64)
+        self.rep = np.zeros((B, 2, Q, num_replica_slots), dtype=np.int64)
+        self.blocked = np.zeros((B, 2), dtype=bool)  # resource 0 compute, 1 NIC
+
+    def over(self, idx: np.ndarray) -> np.ndarray:
+        """[A, 2] how far the hottest GPU is above each target, in compute pairs (0 if within eps)."""
+        c = self.load_C[idx].max(axis=1) - self.T_C[idx] * (1 + self.eps)
+        f = self.load_F[idx].max(axis=1) - self.T_F[idx] * (1 + self.eps)
+        return np.stack([np.maximum(c, 0), self.kappa * np.maximum(f, 0)], axis=1)
+
+    def step(self, active: np.ndarray) -> np.ndarray:
+        """One move in every active problem; returns the problems that stay active."""
+        over = self.over(active)
+        over = np.where(self.blocked[active], 0.0, over)
+        live = over.max(axis=1) > 0
+        active, over = active[live], over[live]
+        if not len(active):
+            return active
+        res = (over[:, 1] > over[:, 0]).astype(np.int64)  # 1: NIC-bound, move far pairs
+        rows = np.arange(len(active))
+        C, F = self.load_C[active], self.load_F[active]
+        own = np.where(res == 1, F.argmax(axis=1), C.argmax(axis=1))  # hot GPU
+        excess = np.where(res == 1, F[rows, own] - self.T_F[active], C[rows, own] - self.T_C[active])
+        movable = self.rem[active, res, own]  # [A, H] near (res 0) or far (res 1) pairs of the hot GPU
+        slack_C = self.T_C[active][:, None] - C
+        slack_F = self.T_F[active][:, None] - F
+        # A far move may lift the destination's compute up to the node's current maximum (which it never raises:
+        # the objective max C + kappa max F can only fall); compute moves level it afterwards.
+        room_C = np.maximum(C.max(axis=1, keepdims=True), self.T_C[active][:, None]) - C
+        slack = np.where(res[:, None] == 1, np.minimum(slack_F, room_C), slack_C)  # [A, Q]
+        expert = own[:, None] * self.H + np.arange(self.H)[None]
+        slots = self.local[active]
+        existing = (slots[:, None, :, :] == expert[:, :, None, None]).any(axis=-1)  # [A, H, Q]
+        free = (slots == -1).any(axis=-1)
+        # A new replica may take more than the excess (the hot GPU then ends below its target) so that an excess
+        # smaller than the minimum quota can still be moved.
+        want = np.where(existing, excess[:, None, None], np.maximum(excess, self.min_pairs)[:, None, None])
+        budget = np.floor(np.minimum(want, slack[:, None, :])).astype(np.int64)
+        amount = np.minimum(budget, movable[:, :, None])  # [A, H, Q]; <= 0 where no room
+        amount = np.where(amount < movable[:, :, None], amount - amount % self.tile, amount)
+        feasible = (np.arange(self.Q)[None, None, :] != own[:, None, None]) & (amount > 0)
+        feasible &= existing | (free[:, None, :] & (amount >= self.min_pairs))
+        cold = np.where(res[:, None] == 1, F, C)
+        dest = np.where(feasible, cold[:, None, :], np.inf).argmin(axis=-1)  # [A, H]
+        has = feasible.any(axis=-1)
+        h = np.where(has, movable, -1).argmax(axis=1)
+        ok = has[rows, h]
+        self.blocked[active[~ok], res[~ok]] = True
+        self._apply(active[ok], res[ok], own[ok], h[ok], dest[rows[ok], h[ok]], amount[rows[ok], h[ok]])
+        return active
+
+    def _apply(self, b, res, own, h, q, amount) -> None:
+        x = amount[np.arange(len(b)), q]
+        expert = own * self.H + h
+        row_slots = self.local[b, q]
+        is_copy = row_slots == expert[:, None]
+        r = np.where(is_copy.any(axis=1), is_copy.argmax(axis=1), (row_slots == -1).argmax(axis=1))
+        self.rem[b, res, own, h] -= x
+        self.load_C[b, own] -= x
+        self.load_C[b, q] += x
+        far = x * res
+        self.load_F[b, own] -= far
+        self.load_F[b, q] += far
+        self.local[b, q, r] = expert
+        self.rep[b, res, q, r] += x
+        self.blocked[b] = False
+
+
+def greedy_replicas(
+    near_BQH: np.ndarray,
+    far_BQH: np.ndarray,
+    num_replica_slots: int,
+    min_pairs: int,
+    eps: float,
+    tile: int = 1,
+    kappa: float = 0.0,
+    max_moves: int = 0,
+) -> ReplicaSet:
+    """Run the greedy of the module docstring on every problem; near/far_BQH int [B, Q, H] pairs of home experts.
+
+    kappa = 0 ignores NIC balance (the spec's token greedy on near + far pairs; far pairs then move only when a
+    GPU's near pairs cannot).
+    """
+    B, Q, H = near_BQH.shape
+    state = _Greedy(near_BQH, far_BQH, num_replica_slots, min_pairs, eps, tile, kappa)
+    if kappa == 0:
+        # Token greedy: one resource; let compute moves take far pairs when near ones run out.
+        state.rem = np.stack([near_BQH + far_BQH, np.zeros_like(far_BQH)], axis=1).astype(np.int64)
+        state.load_F[:] = 0
+        state.T_F[:] = 0
+    active = np.arange(B) if num_replica_slots > 0 and Q > 1 else np.zeros(0, dtype=np.int64)
+    for _ in range(max_moves or 4 * Q * (num_replica_slots + H)):
+        if not len(active):
+            break
+        active = state.step(active)
+    near_rep, far_rep = state.rep[:, 0], state.rep[:, 1]
+    if kappa == 0:
+        # Bookkeeping above merged near and far; re-split each copy's pairs near-first within its expert.
+        return _resplit_token_greedy(near_BQH, far_BQH, state.local, near_rep, H)
+    return ReplicaSet(state.local, near_rep, far_rep, state.rem[:, 0], state.rem[:, 1])
+
+
+def _resplit_token_greedy(near_BQH, far_BQH, local_BQR, pairs_BQR, H: int) -> ReplicaSet:
+    """Token greedy: copies take near pairs of their expert first (cheap transfers), the home keeps the rest."""
+    _B, Q, R = local_BQR.shape
+    near_left = near_BQH.astype(np.int64).copy()
+    far_left = far_BQH.astype(np.int64).copy()
+    near_rep = np.zeros_like(pairs_BQR)
+    far_rep = np.zeros_like(pairs_BQR)
+    for q in range(Q):
+        for r in range(R):
+            e = local_BQR[:, q, r]
+            has = e >= 0
+            b = np.flatnonzero(has)
+            oq, oh = e[has] // H, e[has] % H
+            x = pairs_BQR[b, q, r]
+            take_near = np.minimum(x, near_left[b, oq, oh])
+            near_left[b, oq, oh] -= take_near
+            far_left[b, oq, oh] -= x - take_near
+            near_rep[b, q, r], far_rep[b, q, r] = take_near, x - take_near
+    return ReplicaSet(local_BQR, near_rep, far_rep, near_left, far_left)
+
+
+def northwest_segments(demand_XS: np.ndarray, capacity_XK: np.ndarray):
+    """North-west corner rule on every row: (row, source, instance, pairs) of the non-empty overlaps of source s's
+    and instance k's intervals on the prefix-sum axis (rows need equal demand and capacity totals).
+
+    Sparse: merge the two prefix-sum sequences of a row; a non-empty segment [end_{j-1}, end_j) belongs to the
+    source (instance) whose count of ends before position j it is. At most S + K - 1 segments per row.
+    """
+    X, S = demand_XS.shape
+    ends = np.concatenate(
+        [np.cumsum(demand_XS, axis=1, dtype=np.int64), np.cumsum(capacity_XK, axis=1, dtype=np.int64)], axis=1
+    )
+    order = np.argsort(ends, axis=1, kind="stable")
+    ends = np.take_along_axis(ends, order, axis=1)
+    is_source = order < S
+    src = np.cumsum(is_source, axis=1) - is_source  # source ends strictly before position j
+    inst = np.arange(ends.shape[1])[None] - src  # the other ends before j are instance ends
+    length = ends.copy()
+    length[:, 1:] -= ends[:, :-1]
+    keep = length > 0
+    row = np.broadcast_to(np.arange(X)[:, None], ends.shape)[keep]
+    return row, src[keep], inst[keep], length[keep]
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """Experts with replicas, one row each; instance 0 is the home copy, padding has q_XI = -1 and 0 pairs."""
+
+    b_X: np.ndarray
+    owner_X: np.ndarray
+    q_XI: np.ndarray
+    slot_XI: np.ndarray
+    near_XI: np.ndarray
+    far_XI: np.ndarray
+
+
+def _instance_groups(replicas: ReplicaSet, H: int) -> _Groups:
+    b, q, r = np.nonzero(replicas.local_BQR >= 0)
+    owner = replicas.local_BQR[b, q, r]
+    key = b * (replicas.local_BQR.shape[1] * H) + owner
+    order = np.lexsort((r, q, key))
+    first = np.r_[True, key[order][1:] != key[order][:-1]]
+    starts = np.flatnonzero(first)
+    size = np.diff(np.r_[starts, len(order)])
+    X, width = len(starts), int(size.max()) + 1
+    pos = np.arange(len(order)) - np.repeat(starts, size) + 1
+    row = np.repeat(np.arange(X), size)
+    head = order[starts]
+    hb, ho = b[head], owner[head]
+    q_XI = np.full((X, width), -1, dtype=np.int64)
+    slot_XI = np.zeros((X, width), dtype=np.int64)
+    near_XI = np.zeros((X, width), dtype=np.int64)
+    far_XI = np.zeros((X, width), dtype=np.int64)
+    q_XI[:, 0], slot_XI[:, 0] = ho // H, ho % H
+    near_XI[:, 0] = replicas.near_left_BQH[hb, ho // H, ho % H]
+    far_XI[:, 0] = replicas.far_left_BQH[hb, ho // H, ho % H]
+    o = order
+    q_XI[row, pos], slot_XI[row, pos] = q[o], H + r[o]
+    near_XI[row, pos], far_XI[row, pos] = (
+        replicas.near_BQR[b[o], q[o], r[o]],
+        replicas.far_BQR[b[o], q[o], r[o]],
+    )
+    return _Groups(hb, ho, q_XI, slot_XI, near_XI, far_XI)
+
+
+def split_quota_MLGJS(
+    loads_MLSE: np.ndarray, slots_LGH: np.ndarray, replicas: ReplicaSet, topo: Topology
+) -> tuple[np.ndarray, np.ndarray]:
+    """Slots [M, L, G, J] and per-source quotas [M, L, G, J, S] of the home + replica instances (module doc)."""
+    M, L, S, _E = loads_MLSE.shape
+    G, H, R, Z, Q = topo.num_gpus, topo.num_home_slots, topo.num_replica_slots, topo.num_nodes, topo.node_size
+    slots = np.full((M, L, G, H + R), -1, dtype=np.int32)
+    slots[..., :H] = slots_LGH[None]
+    quota = empty_quota_MLGJS(loads_MLSE, slots_LGH, R)
+    if not (replicas.local_BQR >= 0).any():
+        return slots, quota
+    groups = _instance_groups(replicas, H)
+    gb = groups.b_X
+    gm, gl, gz = gb // (L * Z), (gb // Z) % L, gb % Z
+    ge = slots_LGH[gl, gz * Q + groups.owner_X // H, groups.owner_X % H]
+    valid = groups.q_XI >= 0
+    gpu_XI = np.where(valid, gz[:, None] * Q + groups.q_XI, -1)
+    rep_rows, rep_cols = np.nonzero(valid[:, 1:])
+    slots[
+        gm[rep_rows], gl[rep_rows], gpu_XI[rep_rows, rep_cols + 1], groups.slot_XI[rep_rows, rep_cols + 1]
+    ] = ge[rep_rows]
+    X = len(gb)
+    # Locality first; a dummy source column S absorbs the padding so that fancy updates never collide.
+    demand = np.zeros((X, S + 1), dtype=np.int64)
+    demand[:, :S] = loads_MLSE[gm, gl, :, ge]
+    rows = np.arange(X)[:, None]
+    src = np.where(valid, gpu_XI, S)
+    local = np.where(valid, np.minimum(demand[rows, src], groups.near_XI), 0)
+    demand[rows, src] -= local
+    demand = demand[:, :S]
+    # One north-west pass: far sources fill the far shares, then near sources the near ones (the totals match).
+    node_S = topo.node_of_gpu()
+    order_ZS = np.argsort(
+        node_S[None, :] == np.arange(Z)[:, None], axis=1, kind="stable"
+    )  # far sources first
+    order = order_ZS[gz]
+    width = valid.shape[1]
+    x, s_sorted, k, pairs = northwest_segments(
+        np.take_along_axis(demand, order, axis=1),
+        np.concatenate([groups.far_XI, groups.near_XI - local], axis=1),
+    )
+    # Clear the home rows (they held every pair), set the segments (a source is far or near, so (x, s, instance)
+    # is unique), then add the local pairs.
+    quota[gm, gl, gpu_XI[:, 0], groups.slot_XI[:, 0]] = 0
+    i = k % width
+    quota[gm[x], gl[x], gpu_XI[x, i], groups.slot_XI[x, i], order[x, s_sorted]] = pairs
+    xi, ij = np.nonzero(valid & (local > 0))
+    quota[gm[xi], gl[xi], gpu_XI[xi, ij], groups.slot_XI[xi, ij], gpu_XI[xi, ij]] += local[xi, ij]
+    return slots, quota
+
+
+def nic_weight(cost: CostModel, topo: Topology) -> float:
+    """kappa: the all-to-all time of one far pair at a GPU's NIC in units of one pair's expert compute time."""
+    if topo.num_nodes == 1:
+        return 0.0
+    per_pair = cost.gemm_us_per_token * (1.0 + cost.backward_factor)
+    return NUM_ALLTOALLS * float(cost.nic_us(cost.pair_bytes)) / per_pair
+
+
+def replicated_plan(
+    loads_MLSE: np.ndarray, home_LE: np.ndarray, topo: Topology, cfg, cost: CostModel | None = None
+) -> Plan:
+    """Home placement `home_LE` plus greedy replicas per (m, l, node) and the locality-aware split.
+
+    Without a cost model the greedy levels tokens only (kappa = 0) and does not round to the GEMM tile.
+    """
+    slots_LGH = home_slots_LGH(home_LE, topo)
+    near, far = _split_loads_BQH(loads_MLSE, slots_LGH, topo)
+    kappa = nic_weight(cost, topo) if cost is not None else 0.0
+    tile = cost.gemm_tile if cost is not None else 1
+    replicas = greedy_replicas(
+        near, far, topo.num_replica_slots, cfg.min_replica_tokens, cfg.imbalance_tolerance, tile, kappa
+    )
+    slots, quota = split_quota_MLGJS(loads_MLSE, slots_LGH, replicas, topo)
+    return Plan(home_LE=home_LE, slots_MLGJ=slots, quota_MLGJS=quota, num_home_slots=topo.num_home_slots)

@@ -1,0 +1,202 @@
+"""Cost model: YAML loading, t_gemm, the step-time simulation against loop references, the ideal closed form."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from relibra.config import RelibraConfig
+from relibra.cost_model import CostModel, ideal_step_cost, step_cost
+from relibra.loads import LoadTrace
+from relibra.plan import PlannerState, Topology, static_home_LE
+from relibra.planners import PlanContext, run_planner
+from relibra.simulate import simulate_trace
+from relibra.synthetic import SyntheticLoads, generate_loads
+
+COST = CostModel.from_yaml()
+
+
+def test_defaults_and_yaml_errors(tmp_path):
+    assert COST.hidden_size == 2048 and COST.gemm_tile == 64 and COST.nic_gb_per_s == 50.0
+    assert COST.expert_params == 3 * 2048 * 768
+    (tmp_path / "bad.yaml").write_text("hidden_size: 1\nnot_a_key: 3\n")
+    with pytest.raises(ValueError, match="unknown cost-model keys"):
+        CostModel.from_yaml(tmp_path / "bad.yaml")
+    (tmp_path / "short.yaml").write_text("hidden_size: 1\n")
+    with pytest.raises(ValueError, match="missing"):
+        CostModel.from_yaml(tmp_path / "short.yaml")
+    with pytest.raises(ValueError, match="non-negative"):
+        dataclasses.replace(COST, nic_gb_per_s=-1.0)
+
+
+def test_gemm_formula():
+    a, b, tile = COST.gemm_us_per_token, COST.gemm_us_fixed, COST.gemm_tile
+    got = COST.gemm_us(np.array([0, 1, 64, 65, 1000]))
+    want = [0.0, a * tile + b, a * tile + b, 2 * a * tile + b, a * tile * math.ceil(1000 / tile) + b]
+    np.testing.assert_allclose(got, want)
+    np.testing.assert_allclose(
+        COST.train_gemm_us(np.array([65])), (1 + COST.backward_factor) * (2 * a * tile + b)
+    )
+
+
+@pytest.fixture(scope="module")
+def setup():
+    params = SyntheticLoads(
+        num_steps=2, num_microbatches=3, num_layers=2, num_source_ranks=8, num_experts=16, topk=4,
+        tokens_per_rank=768, group_size=4,
+    )  # fmt: skip
+    trace = generate_loads(params)
+    topo = Topology(8, 4, 16, 2)
+    ctx = PlanContext(topo, RelibraConfig(min_replica_tokens=32), COST, 4)
+    plan, _ = run_planner("relibra", trace.loads_NMLSE[0], ctx, PlannerState())
+    assert (plan.slots_MLGJ[..., 2:] >= 0).any()
+    return trace, topo, plan
+
+
+def _reference_step(plan, loads, topk, topo, cost, prev_home):
+    """Loop implementation of the cost model (module docstring of relibra.cost_model)."""
+    M, L, S, _ = loads.shape
+    G, J, H, Q = topo.num_gpus, topo.num_slots, topo.num_home_slots, topo.node_size
+    node = [g // Q for g in range(G)]
+    pb = cost.hidden_size * cost.activation_bytes
+    attn = [[cost.attention_us_per_token * loads[m, 0, s].sum() / topk for s in range(S)] for m in range(M)]
+    w_bytes = cost.expert_params * cost.weight_bytes_per_param
+    g_bytes = cost.expert_params * cost.grad_bytes_per_param
+    compute = alltoall = replication = cross_bytes = 0.0
+    for m in range(M):
+        for layer in range(L):
+            per_gpu = []
+            for g in range(G):
+                t = 0.0
+                for j in range(J):
+                    n = int(plan.quota_MLGJS[m, layer, g, j].sum())
+                    if n:
+                        t += (1 + cost.backward_factor) * (
+                            cost.gemm_us_per_token * cost.gemm_tile * math.ceil(n / cost.gemm_tile)
+                            + cost.gemm_us_fixed
+                        )
+                per_gpu.append(t)
+            compute += max(per_gpu)
+            nic = np.zeros((2, G))
+            nvl = np.zeros((2, G))
+            for g in range(G):
+                for s in range(S):
+                    n = plan.quota_MLGJS[m, layer, g, :, s].sum() * pb
+                    if s == g:
+                        continue
+                    link = nic if node[s] != node[g] else nvl
+                    link[0, s] += n
+                    link[1, g] += n
+                    cross_bytes += 4 * n * (node[s] != node[g])
+            t = max(nic.max() / (cost.nic_gb_per_s * 1e3), nvl.max() / (cost.nvlink_gb_per_s * 1e3))
+            alltoall += 4 * (t + cost.alltoall_latency_us)
+            copies = np.zeros(G)
+            outgoing = np.zeros(G)
+            for g in range(G):
+                for j in range(H, J):
+                    e = plan.slots_MLGJ[m, layer, g, j]
+                    if e >= 0:
+                        copies[g] += 1
+                        outgoing[plan.home_LE[layer, e]] += 1
+            fwd = bwd = 0.0
+            for g in range(G):
+                c = max(copies[g], outgoing[g])
+                if c:
+                    lat = cost.transfer_latency_us
+                    fwd = max(fwd, lat + c * w_bytes / (cost.nvlink_gb_per_s * 1e3) - attn[m][g])
+                    bwd = max(bwd, lat + c * (w_bytes + g_bytes) / (cost.nvlink_gb_per_s * 1e3)
+                              - cost.backward_factor * attn[m][g])  # fmt: skip
+            replication += fwd + bwd
+    sent, recv = np.zeros((2, G)), np.zeros((2, G))
+    per_expert = cost.expert_params * cost.optimizer_bytes_per_param / cost.optimizer_shards
+    moved = False
+    for layer in range(L):
+        for e in range(plan.num_experts):
+            a, b = prev_home[layer, e], plan.home_LE[layer, e]
+            if a != b:
+                moved = True
+                k = int(node[a] == node[b])  # 0: NIC, 1: NVLink
+                sent[k, a] += per_expert
+                recv[k, b] += per_expert
+    migration = 0.0
+    if moved:
+        migration = (
+            max(
+                max(sent[0].max(), recv[0].max()) / (cost.nic_gb_per_s * 1e3),
+                max(sent[1].max(), recv[1].max()) / (cost.nvlink_gb_per_s * 1e3),
+            )
+            + cost.transfer_latency_us
+        )
+    non_moe = sum(L * (1 + cost.backward_factor) * max(attn[m]) for m in range(M))
+    return compute, alltoall, replication, migration, non_moe, cross_bytes
+
+
+@pytest.mark.parametrize("attention", [0.15, 0.0])
+def test_step_cost_matches_loops(setup, attention):
+    trace, topo, plan = setup
+    cost = dataclasses.replace(COST, attention_us_per_token=attention)  # 0: every push is exposed
+    loads = trace.loads_NMLSE[0]
+    prev = np.random.default_rng(0).permuted(static_home_LE(2, topo), axis=1)
+    got = step_cost(plan, loads, 4, topo, cost, prev)
+    want = _reference_step(plan, loads, 4, topo, cost, prev)
+    np.testing.assert_allclose(
+        [
+            got.compute_us,
+            got.alltoall_us,
+            got.replication_us,
+            got.migration_us,
+            got.non_moe_us,
+            got.cross_node_bytes,
+        ],
+        want,
+        rtol=1e-9,
+    )
+    if attention == 0.0:
+        assert got.replication_us > 0
+
+
+def test_ideal_step_time_equals_closed_form(setup):
+    trace, topo, _ = setup
+    G, Q = topo.num_gpus, topo.node_size
+    pb = COST.hidden_size * COST.activation_bytes
+    want = 0.0
+    for n in range(trace.num_steps):
+        for m in range(trace.loads_NMLSE.shape[1]):
+            for layer in range(trace.num_layers):
+                W = trace.loads_NMLSE[n, m, layer].sum(axis=0)
+                P = W.sum()
+                compute = sum((1 + COST.backward_factor) * COST.gemm_us(np.array(w)) for w in W) / G
+                nic = P / G * (G - Q) / G * pb / (COST.nic_gb_per_s * 1e3)
+                nvl = P / G * (Q - 1) / G * pb / (COST.nvlink_gb_per_s * 1e3)
+                want += compute + 4 * (max(nic, nvl) + COST.alltoall_latency_us)
+    direct = sum(ideal_step_cost(trace.loads_NMLSE[n], 4, topo, COST).moe_us for n in range(trace.num_steps))
+    assert direct == pytest.approx(want, rel=1e-12)
+    rows = simulate_trace(trace, topo, RelibraConfig(), COST, plans=["ideal"])
+    assert rows[0].moe_us == pytest.approx(want, rel=1e-12)
+    assert rows[0].moe_vs_ideal == pytest.approx(1.0)
+    assert rows[0].mean_skew == 1.0
+
+
+def test_ideal_is_a_lower_bound_of_compute(setup):
+    """No plan computes faster than the ideal (tile padding and fixed costs only grow when an expert is split)."""
+    trace, topo, _plan = setup
+    loads = trace.loads_NMLSE[0]
+    ideal = ideal_step_cost(loads, 4, topo, COST)
+    for name in ("static", "relibra", "eplb_oracle"):
+        p, _ = run_planner(name, loads, PlanContext(topo, RelibraConfig(), COST, 4), PlannerState())
+        assert (
+            step_cost(p, loads, 4, topo, COST, static_home_LE(2, topo)).compute_us >= ideal.compute_us - 1e-9
+        )
+
+
+def test_trace_with_one_node_has_no_cross_traffic():
+    trace = generate_loads(SyntheticLoads(num_steps=1, num_microbatches=2, num_layers=1, num_source_ranks=4,
+                                          num_experts=8, topk=2, tokens_per_rank=64))  # fmt: skip
+    topo = Topology(4, 8, 8, 1)
+    rows = simulate_trace(
+        LoadTrace(trace.loads_NMLSE, 2), topo, RelibraConfig(), COST, plans=["static", "ideal"]
+    )
+    assert all(r.cross_node_gb_per_step == 0 for r in rows)

@@ -1,0 +1,323 @@
+"""Planners: valid plans on random and real loads, the annealing against brute force, the replication greedy against
+scipy's MILP, EPLB's properties, determinism."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from relibra.config import RelibraConfig
+from relibra.cost_model import CostModel, ideal_step_cost, step_cost
+from relibra.loads import loads_from_vllm_logs
+from relibra.plan import IdealPlan, PlannerState, Topology, static_home_LE
+from relibra.planners import PLANNERS, PlanContext, run_planner
+from relibra.planners.eplb import eplb_rebalance, replicate_experts
+from relibra.planners.packing import balanced_packing
+from relibra.planners.reorder import (
+    ReorderWeights,
+    _Annealer,
+    anneal_home,
+    reorder_objective_L,
+    reorder_problem,
+)
+from relibra.planners.replicate import greedy_replicas
+from relibra.synthetic import SyntheticLoads, generate_loads
+from relibra.validate import validate_plan
+
+COST = CostModel.from_yaml()
+ROUTING = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "routing" / "qwen3-30b-a3b-vllm"
+
+
+def _synthetic(G: int, E: int = 32, M: int = 4, L: int = 3, N: int = 2, tokens: int = 512):
+    params = SyntheticLoads(
+        num_steps=N, num_microbatches=M, num_layers=L, num_source_ranks=G, num_experts=E, topk=4,
+        tokens_per_rank=tokens, group_size=4,
+    )  # fmt: skip
+    return generate_loads(params)
+
+
+def _run_all_steps(name, trace, topo, cfg):
+    ctx = PlanContext(topo, cfg, COST, trace.topk)
+    state, plans = PlannerState(), []
+    for n in range(trace.num_steps):
+        plan, state = run_planner(name, trace.loads_NMLSE[n], ctx, state)
+        validate_plan(plan, trace.loads_NMLSE[n], topo)
+        plans.append(plan)
+    return plans
+
+
+@pytest.mark.parametrize("name", PLANNERS.names())
+@pytest.mark.parametrize(("G", "Q", "R"), [(8, 4, 2), (4, 8, 1), (8, 8, 0)])
+def test_every_planner_is_valid_on_random_loads(name, G, Q, R):
+    trace = _synthetic(G)
+    topo = Topology(G, Q, 32, R)
+    _run_all_steps(name, trace, topo, RelibraConfig(min_replica_tokens=32, anneal_iters=400))
+
+
+@pytest.mark.skipif(not ROUTING.is_dir(), reason=f"real routing logs not found at {ROUTING}")
+@pytest.mark.parametrize("name", PLANNERS.names())
+def test_every_planner_is_valid_on_real_loads(name):
+    logs = [ROUTING / "token_distri_8.jsonl", ROUTING / "token_distri_16.jsonl"]
+    trace = loads_from_vllm_logs(logs, microbatch_tokens=256, num_source_ranks=16)
+    from relibra.loads import LoadTrace
+
+    trace = LoadTrace(trace.loads_NMLSE[:, :3, :4], trace.topk)  # 3 micro-batches, 4 layers: fast
+    cfg = RelibraConfig(min_replica_tokens=16, anneal_iters=400, reorder_migration_weight=0.0)
+    plans = _run_all_steps(name, trace, Topology(16, 8, 128, 2), cfg)
+    if name == "relibra":
+        assert any((p.slots_MLGJ[..., 8:] >= 0).any() for p in plans), (
+            "a small min quota must create replicas"
+        )
+
+
+@pytest.mark.parametrize("name", ["relibra", "eplb_history", "greedy_lpt"])
+def test_plans_are_deterministic(name):
+    trace = _synthetic(8)
+    topo = Topology(8, 4, 32, 2)
+    cfg = RelibraConfig(min_replica_tokens=32, anneal_iters=400)
+    a, b = _run_all_steps(name, trace, topo, cfg), _run_all_steps(name, trace, topo, cfg)
+    for p, q in zip(a, b):
+        np.testing.assert_array_equal(p.home_LE, q.home_LE)
+        np.testing.assert_array_equal(p.quota_MLGJS, q.quota_MLGJS)
+
+
+def _problem(G=8, Q=4, E=16, seed=0, migration=1.0):
+    loads = _synthetic(G, E=E, M=3, L=4, N=1, tokens=256).loads_NMLSE[0]
+    topo = Topology(G, Q, E, 0)
+    cfg = RelibraConfig(reorder_migration_weight=migration)
+    prev = np.random.default_rng(seed).permuted(static_home_LE(4, topo), axis=1)
+    return reorder_problem(loads, prev, topo, ReorderWeights.from_config(cfg, COST, topo)), topo
+
+
+def test_annealing_deltas_match_full_objective():
+    prob, topo = _problem()
+    rng = np.random.default_rng(1)
+    home = static_home_LE(4, topo)
+    state = _Annealer(prob, home, num_candidates=5)
+    G, H = topo.num_gpus, topo.num_home_slots
+    for _ in range(20):
+        x1 = rng.integers(0, G * H, size=(4, 5))
+        x2 = ((x1 // H + rng.integers(1, G, size=(4, 5))) % G) * H + rng.integers(0, H, size=(4, 5))
+        delta, d = state.deltas(x1, x2)
+        before = reorder_objective_L(prob, state.home_LE)
+        for layer in range(4):
+            for c in range(5):
+                trial = state.home_LE.copy()
+                e1, e2 = state.slot_LX[layer, x1[layer, c]], state.slot_LX[layer, x2[layer, c]]
+                trial[layer, e1], trial[layer, e2] = trial[layer, e2], trial[layer, e1]
+                want = reorder_objective_L(prob, trial)[layer] - before[layer]
+                assert delta[layer, c] == pytest.approx(want, rel=2e-3, abs=1e-3 * abs(before[layer]) / 1e3)
+        pick = rng.integers(0, 5, size=4)
+        layers = np.arange(4)
+        state.apply(layers, x1[layers, pick], x2[layers, pick], d[layers, pick])
+        np.testing.assert_array_equal(
+            np.sort(state.slot_LX, axis=1), np.tile(np.arange(topo.num_experts), (4, 1))
+        )
+
+
+@functools.cache
+def _balanced_placements(E: int, G: int) -> np.ndarray:
+    """[P, E]: every distinct assignment of E experts to G GPUs with E / G experts each."""
+    H = E // G
+    seen = set()
+    for perm in itertools.permutations(range(E)):
+        home = np.empty(E, dtype=int)
+        home[list(perm)] = np.repeat(np.arange(G), H)
+        seen.add(tuple(home))
+    return np.array(sorted(seen))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_annealing_finds_the_brute_force_optimum(seed):
+    """8 experts on 4 GPUs in 2 nodes (2520 distinct placements): annealing reaches the exact minimum of J."""
+    loads = _synthetic(4, E=8, M=3, L=2, N=1, tokens=128).loads_NMLSE[0]
+    loads = np.random.default_rng(seed).permuted(loads, axis=3)
+    topo = Topology(4, 2, 8, 0)
+    prev = static_home_LE(2, topo)
+    prob = reorder_problem(loads, prev, topo, ReorderWeights.from_config(RelibraConfig(), COST, topo))
+    candidates = _balanced_placements(8, 4)
+    best = np.array([
+        min(reorder_objective_L(prob, np.tile(h, (2, 1)))[layer] for h in candidates) for layer in range(2)
+    ])  # fmt: skip
+    got = anneal_home(prob, prev, np.random.default_rng(seed), 3000, 8, 0.05, 0.998)
+    np.testing.assert_allclose(reorder_objective_L(prob, got), best, rtol=1e-9)
+
+
+def _lpt_reference(weights, packs):
+    cap = len(weights) // packs
+    load, count, out = np.zeros(packs), np.zeros(packs, int), np.empty(len(weights), int)
+    for i in sorted(range(len(weights)), key=lambda i: -weights[i]):
+        open_packs = [p for p in range(packs) if count[p] < cap]
+        p = min(open_packs, key=lambda p: (load[p], p))
+        out[i], load[p], count[p] = p, load[p] + weights[i], count[p] + 1
+    return out
+
+
+def test_balanced_packing_rule_and_brute_force_bound():
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        w = rng.integers(1, 100, size=8).astype(float)
+        pack, rank = balanced_packing(w[None], 4)
+        np.testing.assert_array_equal(pack[0], _lpt_reference(w, 4))
+        assert (np.bincount(pack[0], minlength=4) == 2).all()
+        assert sorted(rank[0][pack[0] == 0]) == [0, 1]
+        got = np.bincount(pack[0], weights=w, minlength=4).max()
+        placements = _balanced_placements(8, 4)
+        opt = (np.eye(4)[placements] * w[None, :, None]).sum(axis=1).max(axis=1).min()
+        assert opt <= got <= 4 / 3 * opt + 1e-9
+
+
+def _milp_max_load(W_QH: np.ndarray, R: int, min_q: int) -> float:
+    """Exact optimum: integer pairs x[e, g] on replicas (binary y[e, g]) of other GPUs, <= R per GPU, each either 0
+    or >= min_q pairs; minimise the largest GPU load."""
+    Q, H = W_QH.shape
+    experts = [(q, h) for q in range(Q) for h in range(H)]
+    pairs = [(i, g) for i, (q, _) in enumerate(experts) for g in range(Q) if g != q]
+    n = len(pairs)
+    nv = 2 * n + 1
+    rows, lo, hi = [], [], []
+
+    def add(row, a, b):
+        rows.append(row)
+        lo.append(a)
+        hi.append(b)
+
+    for g in range(Q):
+        row = np.zeros(nv)
+        row[[n + k for k, (_, gg) in enumerate(pairs) if gg == g]] = 1
+        add(row, -np.inf, R)
+    for k, (i, _) in enumerate(pairs):
+        q, h = experts[i]
+        row = np.zeros(nv)
+        row[k], row[n + k] = 1, -W_QH[q, h]
+        add(row, -np.inf, 0)
+        row = np.zeros(nv)
+        row[k], row[n + k] = 1, -min_q
+        add(row, 0, np.inf)
+    for i, (q, h) in enumerate(experts):
+        row = np.zeros(nv)
+        row[[k for k, (ii, _) in enumerate(pairs) if ii == i]] = 1
+        add(row, -np.inf, W_QH[q, h])
+    for g in range(Q):
+        row = np.zeros(nv)
+        for k, (i, gg) in enumerate(pairs):
+            row[k] += (gg == g) - (experts[i][0] == g)
+        row[-1] = -1
+        add(row, -np.inf, -W_QH[g].sum())
+    integrality = np.r_[np.ones(2 * n), 0]
+    bounds = Bounds(np.zeros(nv), np.r_[np.full(n, np.inf), np.ones(n), np.inf])
+    res = milp(np.r_[np.zeros(2 * n), 1], constraints=LinearConstraint(np.array(rows), lo, hi),
+               integrality=integrality, bounds=bounds)  # fmt: skip
+    assert res.success
+    return res.fun
+
+
+def test_replication_greedy_against_milp():
+    rng = np.random.default_rng(0)
+    ratios = []
+    for _ in range(25):
+        W = rng.integers(0, 400, (4, 2)) * (rng.random((4, 2)) < 0.8)
+        W[rng.integers(4), rng.integers(2)] += rng.integers(200, 1500)
+        min_q = int(rng.choice([0, 32, 100]))
+        rs = greedy_replicas(W[None], np.zeros_like(W)[None], 2, min_q, eps=0.0)
+        load = (
+            rs.near_left_BQH[0].sum(1)
+            + rs.far_left_BQH[0].sum(1)
+            + rs.near_BQR[0].sum(1)
+            + rs.far_BQR[0].sum(1)
+        )
+        assert load.sum() == W.sum()
+        placed = rs.near_BQR[0] + rs.far_BQR[0]
+        assert (placed[rs.local_BQR[0] >= 0] >= max(min_q, 1)).all()
+        best = _milp_max_load(W, 2, min_q)
+        assert load.max() >= best - 1e-6  # the MILP is a lower bound
+        ratios.append(load.max() / best)
+    # Measured: optimal on most instances, at most ~1.18x on these (the greedy fills destinations to the target
+    # in order and can strand a later hot GPU without a free slot).
+    assert max(ratios) <= 1.2
+    assert np.mean(ratios) <= 1.05
+
+
+def test_replication_greedy_levels_nic_and_compute():
+    """Two nodes: joint greedy lowers max compute + kappa max NIC below the token-only greedy's."""
+    trace = _synthetic(8, E=16, M=4, L=2, N=1, tokens=1024)
+    topo = Topology(8, 4, 16, 2)
+    from relibra.planners.replicate import nic_weight, replicated_plan
+
+    cfg = RelibraConfig(min_replica_tokens=32)
+    loads = trace.loads_NMLSE[0]
+    home = static_home_LE(2, topo)
+    joint = step_cost(replicated_plan(loads, home, topo, cfg, COST), loads, 4, topo, COST, home)
+    tokens_only = step_cost(replicated_plan(loads, home, topo, cfg, None), loads, 4, topo, COST, home)
+    assert nic_weight(COST, topo) > 1
+    assert joint.compute_us + joint.alltoall_us < tokens_only.compute_us + tokens_only.alltoall_us
+
+
+def test_replicate_experts_is_the_optimal_apportionment():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        w = rng.integers(1, 50, size=5).astype(float)
+        phy2log, _rank, count = replicate_experts(w[None], 9)
+        assert count.sum() == 9 and (count >= 1).all()
+        np.testing.assert_array_equal(np.bincount(phy2log[0], minlength=5), count[0])
+        got = (w / count[0]).max()
+        best = min(
+            (w / np.array(c)).max() for c in itertools.product(range(1, 6), repeat=5) if sum(c) == 9
+        )  # fmt: skip
+        assert got == pytest.approx(best)
+
+
+@pytest.mark.parametrize("hierarchical", [True, False])
+def test_eplb_slot_budget_and_counts(hierarchical):
+    rng = np.random.default_rng(0)
+    L, E, G, J, Z = 3, 16, 8, 3, 2
+    weight = rng.gamma(0.5, 100, size=(L, E))
+    groups, nodes = (E, Z) if hierarchical else (1, 1)
+    phy2log, logcnt = eplb_rebalance(weight, G * J, groups, nodes, G)
+    assert phy2log.shape == (L, G * J)
+    for layer in range(L):
+        np.testing.assert_array_equal(np.bincount(phy2log[layer], minlength=E), logcnt[layer])
+        assert logcnt[layer].sum() == G * J and (logcnt[layer] >= 1).all()
+        # More load never gets fewer copies (copies follow load).
+        order = np.argsort(weight[layer])
+        assert (np.diff(logcnt[layer][order]) >= 0).all()
+        if hierarchical:  # every expert's copies sit in one node: slots [z * P / Z, (z + 1) * P / Z)
+            node = np.arange(G * J) // (G * J // Z)
+            for e in range(E):
+                assert len(set(node[phy2log[layer] == e])) == 1
+
+
+def test_eplb_plan_splits_evenly():
+    trace = _synthetic(8)
+    topo = Topology(8, 4, 32, 2)
+    plans = _run_all_steps("eplb_oracle", trace, topo, RelibraConfig())
+    plan = plans[0]
+    loads = trace.loads_NMLSE[0]
+    for layer in range(loads.shape[1]):
+        slots = plan.slots_MLGJ[0, layer].reshape(-1)
+        quota = plan.quota_MLGJS[:, layer].reshape(loads.shape[0], -1, topo.num_gpus)
+        for e in np.unique(slots):
+            copies = quota[:, slots == e, :]  # [M, copies, S]
+            assert (copies.max(axis=1) - copies.min(axis=1) <= 1).all()
+
+
+def test_relibra_beats_baselines_on_synthetic_loads():
+    trace = _synthetic(16, E=64, M=4, L=2, N=2, tokens=2048)
+    topo = Topology(16, 8, 64, 2)
+    cfg = RelibraConfig(min_replica_tokens=64)
+    moe = {}
+    for name in ("static", "reorder_only", "relibra"):
+        plans = _run_all_steps(name, trace, topo, cfg)
+        prev, total = static_home_LE(2, topo), 0.0
+        for n, plan in enumerate(plans):
+            assert not isinstance(plan, IdealPlan)
+            total += step_cost(plan, trace.loads_NMLSE[n], 4, topo, COST, prev).moe_us
+            prev = plan.home_LE
+        moe[name] = total
+    ideal = sum(ideal_step_cost(trace.loads_NMLSE[n], 4, topo, COST).moe_us for n in range(2))
+    assert ideal < moe["relibra"] < moe["reorder_only"] < moe["static"]
