@@ -198,7 +198,7 @@ class MegatronEngine:
                 params_dtype=self.dtype,
                 use_distributed_optimizer=True,
             )
-            return get_megatron_optimizer(ocfg, [self.ddp])
+            return get_megatron_optimizer(ocfg, [self.ddp], use_gloo_process_groups=False)
         decay = [p for _, p in self._trainable() if p.dim() > 1]
         no_decay = [p for _, p in self._trainable() if p.dim() <= 1]
         return torch.optim.AdamW(
@@ -574,7 +574,7 @@ class MegatronEngine:
         for grads, group in ((dense, self.groups.mp), (expert, self.groups.expt_mp)):
             sq = torch.zeros((), dtype=torch.float32, device=dev)
             if grads:
-                sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+                sq = torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
             dist.all_reduce(sq, group=group)
             sums.append(sq)
         return sums[0], sums[1]

@@ -128,7 +128,7 @@ class GroupedExperts(MegatronModule):
                 f"the dispatcher sent tokens for {tokens_per_expert_E.numel()} experts; "
                 f"this module computes {w1.shape[0]} slots"
             )
-        self.last_tokens_per_expert = tokens_per_expert_E.detach().to("cpu", copy=True)
+        self.last_tokens_per_expert = tokens_per_expert_E.detach()  # no copy: a device sync per layer
         return grouped_swiglu(permuted_hidden_NH, tokens_per_expert_E, permuted_probs_N, w1, w2), None
 
     def backward_dw(self) -> None:
