@@ -107,6 +107,9 @@ class AlgoConfig:
     dynamic_sampling: bool = False
     overlong_buffer: int = spec(0, ge=0, help="DAPO L_cache; 0 disables overlong shaping")
     routing_replay: str = spec("r3", choices=("r3", "r2", "off"))
+    warm_start_steps: int = spec(
+        0, ge=0, help="supervised warm start of the policy on the task's demonstrations"
+    )
     mini_batches: int = spec(1, ge=1, help="PPO mini-batches per step")
     epochs: int = spec(1, ge=1)
     actor_optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
@@ -223,11 +226,27 @@ def _algo_rules(c: ExperimentConfig) -> str | None:
     a = c.algo
     if a.batch_size % a.group_size:
         return f"algo.batch_size={a.batch_size} must be a multiple of algo.group_size={a.group_size}"
+    if a.estimator in ("gae", "grpo") and a.window < a.max_response_length:
+        return (
+            f"algo.estimator={a.estimator} needs whole responses: set algo.window >= "
+            f"algo.max_response_length={a.max_response_length} (windows need egae)"
+        )
     if a.estimator == "grpo" and a.group_size < 2:
         return "algo.estimator=grpo needs algo.group_size >= 2"
     if a.max_response_length > c.model.max_position_embeddings:
         return (
             f"algo.max_response_length={a.max_response_length} exceeds "
+            f"model.max_position_embeddings={c.model.max_position_embeddings}"
+        )
+    need = c.data.max_prompt_length + a.max_response_length
+    if c.rollout.max_model_len < need:
+        return (
+            f"rollout.max_model_len={c.rollout.max_model_len} cannot hold data.max_prompt_length + "
+            f"algo.max_response_length = {need} tokens"
+        )
+    if c.rollout.max_model_len > c.model.max_position_embeddings:
+        return (
+            f"rollout.max_model_len={c.rollout.max_model_len} exceeds "
             f"model.max_position_embeddings={c.model.max_position_embeddings}"
         )
     if a.overlong_buffer >= a.max_response_length:

@@ -41,6 +41,10 @@ def test_every_group_option_composes_over_the_schema(group, option):
         ]
     if group == "cluster" and option == "slurm_4x8":
         overrides += ["parallel=qwen3_30b_a3b_32gpu", "model=qwen3_30b_a3b", "relibra.gpus_per_node=8"]
+    if group == "algo" and option in ("ppo", "grpo"):
+        overrides += ["algo.window=64"]  # whole responses; the default experiment's windows need egae
+    if group == "data" and option != "synthetic":
+        overrides += ["data.max_prompt_length=32"]  # the tiny default model holds 128 tokens
     if group == "cluster" and option == "single_gpu":
         overrides += ["parallel=single"]
     if group == "model" and option in ("qwen3_30b_a3b", "mixtral_8x7b"):

@@ -1,0 +1,27 @@
+"""The training recipe: T-PPO with EGAE on Megatron-Core, routing replay, ReLibra.
+
+    python -m recipes.train                                  # the default recipe (CPU, minutes)
+    python -m recipes.train experiment=qwen3_30b_a3b_tppo    # a real model on a Slurm allocation
+
+Re-running the same command (same run.name) resumes from the run's last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+
+from recipes._hydra import recipe
+from tppo.config import ExperimentConfig
+
+
+@recipe("train")
+def main(cfg: ExperimentConfig) -> None:
+    from tppo.run import run_dir, train
+
+    summary = train(cfg)
+    print(json.dumps(summary, indent=2))
+    print(f"run directory: {run_dir(cfg)}")
+
+
+if __name__ == "__main__":
+    main()

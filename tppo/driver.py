@@ -1,0 +1,137 @@
+"""The T-PPO driver loop (specs/tppo.md): one process that holds no model and runs the dataflow of each step.
+
+    take from the pool -> generate one window (routing recorded) -> score finished -> values -> advantages
+    -> ReLibra plan from the replayed routing -> critic update (finished only) -> policy update (routing replay)
+    -> weight sync to the rollout engine -> put back, metrics, checkpoint on schedule
+
+Everything heavy runs in the roles (tppo.roles); the math is in tppo.advantages / tppo.losses; the stages of a
+step are small functions in tppo.step. Departure from the paper: none in the loop; see tppo/step.py and the
+spec's "readings" for the choices the paper leaves open.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rollout.params import SamplingParams
+from tppo.config import ExperimentConfig
+from tppo.pool import Sample, SamplePool
+from tppo.roles import RankGroup, Trainer, policy_objective, value_objective
+from tppo.step import (
+    PhaseTimer,
+    Verifier,
+    advantages,
+    fill_old_logprobs,
+    request_seed,
+    rollout_metrics,
+    score_finished,
+    window_values,
+)
+
+
+@dataclass
+class Roles:
+    policy: Trainer
+    critic: Trainer
+    rollout: RankGroup  # one rollout engine (generate / load_weights)
+    planner: Any | None = None  # relibra_hook.LoadPlanner, when ReLibra is on
+
+
+def generate(
+    roles: Roles, batch: list[Sample], cfg: ExperimentConfig, step: int, stop_ids: tuple[int, ...]
+) -> None:
+    r = cfg.rollout
+    params = [
+        SamplingParams(
+            max_new_tokens=s.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            seed=request_seed(cfg.run.seed, step, s.uid),
+            stop_token_ids=stop_ids,
+        )
+        for s in batch
+    ]
+    outs = roles.rollout.call("generate", None, [s.context_ids.tolist() for s in batch], params)[0]
+    for s, o in zip(batch, outs):
+        reason = None if o.finish_reason == "length" else o.finish_reason
+        routed = o.routed_experts if cfg.algo.routing_replay == "r3" else None
+        s.add_window(o.token_ids, o.logprobs, finish_reason=reason, routed_experts=routed)
+
+
+def rl_step(
+    step: int,
+    cfg: ExperimentConfig,
+    pool: SamplePool,
+    roles: Roles,
+    verifier: Verifier,
+    stop_ids: tuple[int, ...],
+) -> dict[str, float]:
+    """One T-PPO step; returns its metrics."""
+    timer, metrics = PhaseTimer(), {}
+    batch = pool.take()
+    with timer("rollout"):
+        generate(roles, batch, cfg, step, stop_ids)
+    metrics |= score_finished(batch, verifier)
+    with timer("values"):
+        critic_in = roles.critic.critic_batches(batch)
+        values = _rows(
+            roles.critic.forward(critic_in), roles.critic.placement(len(batch)), "values_BT", len(batch)
+        )
+        win_values = window_values(batch, values)
+    for s, v in zip(batch, win_values):
+        s.store_values(v)
+    adv, adv_metrics = advantages(batch, win_values, cfg.algo)
+    metrics |= adv_metrics
+    policy_in = roles.policy.policy_batches(batch, adv)
+    if roles.planner is not None:
+        with timer("plan"):
+            metrics |= roles.planner.plan(policy_in)
+    finished = [s for s in batch if s.finished]
+    if finished:
+        with timer("critic_update"):
+            critic_in = roles.critic.critic_batches(finished)
+            result = roles.critic.train(critic_in, value_objective(cfg, critic_in))
+            metrics |= _step_metrics("critic", result)
+    if step >= cfg.algo.critic_warmup_steps:
+        with timer("old_logprobs"):
+            metrics |= fill_old_logprobs(policy_in, roles.policy.forward(policy_in))
+        with timer("policy_update"):
+            result = roles.policy.train(policy_in, policy_objective(cfg, policy_in))
+            metrics |= _step_metrics("tppo", result)
+        with timer("weight_sync"):
+            sync_weights(roles, cfg)
+    outcome = pool.put_back(batch)
+    metrics |= rollout_metrics(batch, outcome.retired, timer.seconds["rollout"]) | timer.metrics()
+    metrics |= {f"rollout/pool_{k.split('/', 1)[1]}": v for k, v in outcome.metrics().items()}
+    return metrics
+
+
+def sync_weights(roles: Roles, cfg: ExperimentConfig) -> None:
+    """Policy weights, bucketed, in HF names and logical expert order, into the rollout engine."""
+    for bucket in roles.policy.weights(cfg.rollout.weight_sync_bucket_mb << 20):
+        roles.rollout.call("load_weights", None, bucket)
+
+
+def _rows(outs: list[list[Any]], placement, attr: str, num: int) -> list[np.ndarray]:
+    """Per-sample rows of a per-token output, back in the samples' order (fillers dropped)."""
+    rows: list[np.ndarray | None] = [None] * num
+    for rank_rows, rank_outs in zip(placement.rows, outs):
+        for mb_rows, out in zip(rank_rows, rank_outs):
+            tensor = getattr(out, attr)
+            for j, i in enumerate(mb_rows):
+                rows[i] = tensor[j].float().numpy()
+    return [r for r in rows if r is not None]
+
+
+def _step_metrics(ns: str, result) -> dict[str, float]:
+    out = {
+        f"{ns}/loss": result.loss,
+        f"{ns}/grad_norm": result.grad_norm,
+        f"{ns}/lr": result.lr,
+        f"{ns}/skipped_updates": float(result.skipped),
+    }
+    return out | {k if "/" in k else f"{ns}/{k}": v for k, v in result.metrics.items()}

@@ -1,0 +1,143 @@
+"""The trainer-side loss callables: picklable records that turn one micro-batch's engine output into a LossOutput.
+
+They travel to the trainer ranks (Ray actors) with the batch, so they carry only plain numbers: the algorithm's
+coefficients and the batch-level denominators the driver counted over the whole training batch (every rank and
+micro-batch). The engine's gradient is that of sum(loss_sum) / sum(denominator) over the step, so each callable
+returns loss_sum = (its loss normalised by the batch-level counts) x (the batch-level count of its primary term)
+with denominator = this micro-batch's share of that count; the sum over the step is then exactly the
+batch-level loss (a token mean over the whole batch for the policy, a mean over finished samples for the critic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tppo.batching import CriticTargets, PolicyTargets
+from tppo.engine.batch import ForwardOutput, LossOutput, TrainBatch
+from tppo.losses import clipped_value_loss, entropy_bonus, pos_lm_loss, ppo_clip_loss
+
+
+@dataclass(frozen=True)
+class PolicyObjective:
+    """PPO clip (clip-higher, dual clip, optional TIS) + positive-example LM loss - entropy bonus."""
+
+    num_window_tokens: int  # all current-window tokens of the training batch
+    num_positive_tokens: int  # all response tokens of positive finished responses in the batch
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip: float = 10.0
+    log_ratio_clamp: float = 20.0
+    tis_cap: float = 0.0
+    pos_lm_coef: float = 0.0
+    entropy_coef: float = 0.0
+
+    def __call__(self, out: ForwardOutput, batch: TrainBatch) -> LossOutput:
+        t: PolicyTargets = batch.payload
+        mask = t.window_mask_BT
+        pg = ppo_clip_loss(
+            out.logprobs_BT,
+            t.old_logprobs_BT,
+            t.advantages_BT,
+            mask,
+            eps_low=self.eps_low,
+            eps_high=self.eps_high,
+            dual_clip=self.dual_clip,
+            log_ratio_clamp=self.log_ratio_clamp,
+            rollout_logprobs=t.rollout_logprobs_BT if self.tis_cap else None,
+            tis_cap=self.tis_cap,
+            agg="token_mean",
+            num_tokens=max(self.num_window_tokens, 1),
+        )
+        total, metrics = pg.loss, dict(pg.metrics)
+        if self.pos_lm_coef and self.num_positive_tokens:
+            lm = pos_lm_loss(
+                out.logprobs_BT,
+                t.response_mask_BT,
+                t.positive_B,
+                agg="token_mean",
+                num_tokens=self.num_positive_tokens,
+            )
+            total = total + self.pos_lm_coef * lm.loss
+            metrics.update(lm.metrics)
+        if self.entropy_coef and out.entropy_BT is not None:
+            ent = entropy_bonus(
+                out.entropy_BT, mask, agg="token_mean", num_tokens=max(self.num_window_tokens, 1)
+            )
+            total = total - self.entropy_coef * ent.loss
+            metrics.update(ent.metrics)
+        local = int(mask.sum())
+        return LossOutput(loss_sum=total * max(self.num_window_tokens, 1), denominator=local, metrics=metrics)
+
+
+@dataclass(frozen=True)
+class ValueObjective:
+    """The critic's clipped value loss: per-sample token mean, then mean over the finished samples."""
+
+    num_samples: int  # finished samples in the critic's batch
+    clip_low: float = 0.5
+    clip_high: float = 0.6
+
+    def __call__(self, out: ForwardOutput, batch: TrainBatch) -> LossOutput:
+        t: CriticTargets = batch.payload
+        live = t.mask_BT.sum(dim=1) > 0
+        res = clipped_value_loss(
+            out.values_BT,
+            t.old_values_BT,
+            t.returns_BT,
+            t.mask_BT,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            agg="sample_mean",
+            num_samples=max(self.num_samples, 1),
+        )
+        return LossOutput(
+            loss_sum=res.loss * max(self.num_samples, 1), denominator=int(live.sum()), metrics=res.metrics
+        )
+
+
+@dataclass(frozen=True)
+class SupervisedObjective:
+    """Negative log-likelihood of the response tokens, a token mean over the whole batch (the warm start)."""
+
+    num_tokens: int
+
+    def __call__(self, out: ForwardOutput, batch: TrainBatch) -> LossOutput:
+        mask = batch.loss_mask_BT.to(out.logprobs_BT.dtype)
+        nll_sum = -(out.logprobs_BT * mask).sum()
+        return LossOutput(
+            loss_sum=nll_sum,
+            denominator=int(mask.sum()),
+            metrics={"train/sft_nll": float(nll_sum.detach()) / max(float(mask.sum()), 1.0)},
+        )
+
+
+def count(batches: list[list[TrainBatch]], field: str) -> int:
+    """Sum of a payload mask over every rank's micro-batches (the batch-level denominator)."""
+    total = 0
+    for rank in batches:
+        for b in rank:
+            total += int(getattr(b.payload, field).sum())
+    return total
+
+
+def positive_tokens(batches: list[list[TrainBatch]]) -> int:
+    total = 0
+    for rank in batches:
+        for b in rank:
+            t: PolicyTargets = b.payload
+            total += int((t.response_mask_BT * t.positive_B[:, None]).sum())
+    return total
+
+
+def live_rows(batches: list[list[TrainBatch]]) -> int:
+    return sum(int((b.payload.mask_BT.sum(dim=1) > 0).sum()) for rank in batches for b in rank)
+
+
+__all__ = [
+    "PolicyObjective",
+    "SupervisedObjective",
+    "ValueObjective",
+    "count",
+    "live_rows",
+    "positive_tokens",
+]

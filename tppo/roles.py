@@ -1,0 +1,158 @@
+"""Driver-side handles of the roles: the policy and critic trainers (groups of Megatron ranks) and the rollout
+engine, as Ray actors placed with a placement group, or in-process objects for single-rank debugging.
+
+The driver talks to a role through a handful of methods (values, log-probs, update, weights); this module turns
+pool samples into per-rank micro-batches (tppo.batching) and back. A dead actor ends the run with a message that
+names the role and rank, never a hang: every remote call waits with a timeout.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tppo.batching import Placement, critic_batch, place, policy_batch, split_for_ranks
+from tppo.config import ExperimentConfig, ParallelConfig
+from tppo.engine.batch import StepResult, TrainBatch
+from tppo.objectives import PolicyObjective, SupervisedObjective, ValueObjective, live_rows, positive_tokens
+from tppo.pool import Sample
+from tppo.workers import RankSpec, TrainerWorker
+
+CALL_TIMEOUT_S = 1800.0
+
+
+class RoleError(RuntimeError):
+    """A role's process died or failed; the message names the role and rank."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RankGroup:
+    """The ranks of one role. Every call goes to all ranks (they run collectives together)."""
+
+    def __init__(self, name: str, handles: list[Any], remote: bool) -> None:
+        self.name, self.handles, self.remote = name, handles, remote
+
+    @property
+    def size(self) -> int:
+        return len(self.handles)
+
+    def call(self, method: str, per_rank: Sequence[tuple] | None = None, *args: Any) -> list[Any]:
+        """Call `method` on every rank, with per-rank arguments or the same `args`, and wait for all."""
+        arg_lists = list(per_rank) if per_rank is not None else [args] * self.size
+        if not self.remote:
+            return [getattr(h, method)(*a) for h, a in zip(self.handles, arg_lists)]
+        import ray
+
+        refs = [getattr(h, method).remote(*a) for h, a in zip(self.handles, arg_lists)]
+        try:
+            return ray.get(refs, timeout=CALL_TIMEOUT_S)
+        except ray.exceptions.RayActorError as err:
+            raise RoleError(f"a {self.name} rank died during {method}(): {err}") from err
+        except ray.exceptions.GetTimeoutError as err:
+            raise RoleError(f"{self.name}.{method}() did not finish within {CALL_TIMEOUT_S:.0f} s") from err
+        except ray.exceptions.RayTaskError as err:
+            raise RoleError(f"{self.name}.{method}() failed: {err}") from err
+
+    def kill(self) -> None:
+        if self.remote:
+            import ray
+
+            for h in self.handles:
+                ray.kill(h, no_restart=True)
+
+
+def start_trainers(
+    role: str, cfg: ExperimentConfig, parallel: ParallelConfig, num_ranks: int, remote: bool, total_steps: int
+) -> RankGroup:
+    """Start `num_ranks` TrainerWorkers of `role` (Ray actors when `remote`), wait until all are built."""
+    optim = cfg.algo.actor_optim if role == "policy" else cfg.algo.critic_optim
+    port = _free_port()
+    gpus = 1.0 if cfg.cluster.gpus_per_node else 0.0
+    handles = []
+    for rank in range(num_ranks):
+        spec = RankSpec(role=role, rank=rank, world_size=num_ranks, master_addr="127.0.0.1", master_port=port)
+        args = (spec, cfg.model, parallel, optim, total_steps, cfg.run.seed + (0 if role == "policy" else 1))
+        if remote:
+            import ray
+
+            actor = ray.remote(
+                num_cpus=0.01, num_gpus=gpus if cfg.cluster.placement == "separate" else gpus / 2
+            )
+            handles.append(actor(TrainerWorker).options(name=None).remote(*args))
+        else:
+            handles.append(TrainerWorker(*args))
+    group = RankGroup(role, handles, remote)
+    group.call("ready")
+    return group
+
+
+@dataclass
+class Trainer:
+    """A policy or critic: turns samples into per-rank micro-batches and runs them on its ranks."""
+
+    ranks: RankGroup
+    micro_batch_size: int
+    routing: bool
+
+    def placement(self, num_samples: int) -> Placement:
+        return place(num_samples, self.ranks.size, self.micro_batch_size)
+
+    def _run(self, method: str, per_rank_batches: list[list[TrainBatch]], *extra: Any) -> list[Any]:
+        return self.ranks.call(method, [(b, *extra) for b in per_rank_batches])
+
+    def policy_batches(
+        self, samples: Sequence[Sample], advantages: Sequence[np.ndarray]
+    ) -> list[list[TrainBatch]]:
+        adv = {s.uid: a for s, a in zip(samples, advantages)}
+        split = split_for_ranks(samples, self.placement(len(samples)))
+        return [
+            [policy_batch(ss, ff, [adv[s.uid] for s in ss], self.routing) for ss, ff in rank]
+            for rank in split
+        ]
+
+    def critic_batches(self, samples: Sequence[Sample]) -> list[list[TrainBatch]]:
+        split = split_for_ranks(samples, self.placement(len(samples)))
+        return [[critic_batch(ss, ff, self.routing) for ss, ff in rank] for rank in split]
+
+    def forward(self, batches: list[list[TrainBatch]], with_entropy: bool = False) -> list[list[Any]]:
+        return self._run("forward", batches, with_entropy)
+
+    def train(self, batches: list[list[TrainBatch]], objective: Any) -> StepResult:
+        return self._run("train", batches, objective)[0]
+
+    def weights(self, bucket_bytes: int) -> list[list[tuple[str, Any]]]:
+        return self.ranks.call("hf_weights", None, bucket_bytes)[0]
+
+
+def policy_objective(cfg: ExperimentConfig, batches: list[list[TrainBatch]]) -> PolicyObjective:
+    a = cfg.algo
+    return PolicyObjective(
+        num_window_tokens=sum(int(b.payload.window_mask_BT.sum()) for rank in batches for b in rank),
+        num_positive_tokens=positive_tokens(batches),
+        eps_low=a.eps_low,
+        eps_high=a.eps_high,
+        dual_clip=a.dual_clip,
+        log_ratio_clamp=a.log_ratio_clamp,
+        tis_cap=a.tis_cap,
+        pos_lm_coef=a.pos_lm_coef,
+        entropy_coef=a.entropy_coef,
+    )
+
+
+def value_objective(cfg: ExperimentConfig, batches: list[list[TrainBatch]]) -> ValueObjective:
+    return ValueObjective(
+        num_samples=live_rows(batches), clip_low=cfg.algo.value_clip_low, clip_high=cfg.algo.value_clip_high
+    )
+
+
+def supervised_objective(batches: list[list[TrainBatch]]) -> SupervisedObjective:
+    return SupervisedObjective(num_tokens=sum(int(b.loss_mask_BT.sum()) for rank in batches for b in rank))

@@ -1,0 +1,238 @@
+"""A whole training run: roles up, warm start or resume, the step loop with checkpoints, the summary.
+
+The run directory `<run.output_dir>/<run.name>` is stable for a name, so re-running the same command finds the
+last complete checkpoint and resumes from it: trainer shards, the pool with every in-flight response, the data
+position, RNG states and the step. The rollout engine's weights are derived from the policy's, so they are
+re-exported rather than saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tppo import checkpoint
+from tppo.batching import place, split_for_ranks
+from tppo.cluster import ray_session
+from tppo.config import ExperimentConfig, ParallelConfig
+from tppo.driver import Roles, rl_step
+from tppo.metrics import MetricsLogger, progress
+from tppo.pool import Sample, SamplePool
+from tppo.roles import RankGroup, Trainer, start_trainers, supervised_objective
+from tppo.tasks import Task, build_task
+
+
+def run_dir(cfg: ExperimentConfig) -> Path:
+    return Path(cfg.run.output_dir) / cfg.run.name
+
+
+def critic_parallel(cfg: ExperimentConfig) -> ParallelConfig:
+    """The critic splits experts over its own ranks the same way the policy does when it can."""
+    ep = cfg.cluster.critic_ranks if cfg.model.num_experts % cfg.cluster.critic_ranks == 0 else 1
+    return dataclasses.replace(cfg.parallel, tensor_parallel=1, pipeline_parallel=1, expert_parallel=ep)
+
+
+class RolloutHost:
+    """Holds the rollout engine in its own process (built from an HF directory the policy exported)."""
+
+    def __init__(self, hf_dir: str, device: str, config) -> None:
+        torch.set_num_threads(1)
+        from rollout import RolloutEngine
+
+        self.engine = RolloutEngine.from_pretrained(hf_dir, device=device, config=config)
+
+    def generate(self, prompts, params):
+        return self.engine.generate(prompts, params)
+
+    def load_weights(self, named) -> int:
+        return self.engine.load_weights(named)
+
+
+def start_rollout(cfg: ExperimentConfig, hf_dir: Path, remote: bool) -> RankGroup:
+    RolloutWorker = RolloutHost
+    args = (str(hf_dir), "cuda" if cfg.cluster.gpus_per_node else "cpu", cfg.rollout)
+    if remote:
+        import ray
+
+        handle = ray.remote(num_cpus=0.01)(RolloutWorker).remote(*args)
+    else:
+        handle = RolloutWorker(*args)
+    return RankGroup("rollout", [handle], remote)
+
+
+def warm_start(cfg: ExperimentConfig, task: Task, policy: Trainer) -> list[float]:
+    """Supervised steps on the task's demonstrations (a recipe stage before RL); returns the NLL per step."""
+    if not cfg.algo.warm_start_steps or task.demonstrate is None:
+        return []
+    rng = np.random.default_rng(cfg.run.seed + 7)
+    losses = []
+    for _ in progress(range(cfg.algo.warm_start_steps), desc="warm start", enabled=cfg.logging.progress):
+        prompts = [task.dataset[int(i)] for i in rng.integers(0, len(task.dataset), cfg.algo.batch_size)]
+        samples = [_demo_sample(p, task.demonstrate(p, rng), i) for i, p in enumerate(prompts)]
+        split = split_for_ranks(samples, place(len(samples), policy.ranks.size, policy.micro_batch_size))
+        batches = [[_sft_batch(ss, ff) for ss, ff in rank] for rank in split]
+        losses.append(policy.train(batches, supervised_objective(batches)).loss)
+    return losses
+
+
+def _demo_sample(prompt, response: list[int], i: int) -> Sample:
+    s = Sample(
+        uid=f"demo-{i}",
+        group_id=i,
+        prompt_uid=prompt.uid,
+        prompt_ids=np.asarray(prompt.prompt_ids),
+        max_response_length=len(response),
+    )
+    s.response_ids = np.asarray(response, np.int32)
+    s.rollout_logprobs = np.zeros(len(response), np.float32)
+    return s
+
+
+def _sft_batch(samples, filler):
+    from tppo.batching import policy_batch
+
+    batch = policy_batch(samples, filler, [np.zeros(s.num_response_tokens) for s in samples], routing=False)
+    batch.loss_mask_BT = batch.payload.response_mask_BT
+    return batch
+
+
+def _save(cfg: ExperimentConfig, roles: Roles, pool: SamplePool, step: int, history: dict[str, Any]) -> None:
+    ckpt = checkpoint.begin(run_dir(cfg) / "checkpoints", step)
+    for role, trainer in (("policy", roles.policy), ("critic", roles.critic)):
+        trainer.ranks.call("save", [(str(ckpt.shard(role, r)),) for r in range(trainer.ranks.size)])
+    state = {
+        "step": step,
+        "pool": pool.state_dict(),
+        "history": history,
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+    }
+    checkpoint.save_file(state, ckpt.tmp / "driver.pt")
+    checkpoint.commit(ckpt, cfg.run.keep_checkpoints)
+
+
+def _resume(cfg: ExperimentConfig, roles: Roles, pool: SamplePool) -> tuple[int, dict[str, Any]] | None:
+    last = checkpoint.latest(run_dir(cfg) / "checkpoints")
+    if last is None:
+        return None
+    for role, trainer in (("policy", roles.policy), ("critic", roles.critic)):
+        trainer.ranks.call("load", [(str(last / f"{role}_rank{r}.pt"),) for r in range(trainer.ranks.size)])
+    state = checkpoint.load_file(last / "driver.pt")
+    pool.load_state_dict(state["pool"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    return state["step"], state["history"]
+
+
+def train(cfg: ExperimentConfig) -> dict[str, Any]:
+    """Run (or resume) the experiment; returns the summary written to summary.json."""
+    random.seed(cfg.run.seed)
+    np.random.seed(cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)
+    task = build_task(cfg)
+    out = run_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    with ray_session(cfg.cluster):
+        roles = _start_roles(cfg)
+        pool = SamplePool.from_config(cfg.algo, task.dataset, seed=cfg.run.seed)
+        resumed = _resume(cfg, roles, pool)
+        start, history = (
+            (resumed[0] + 1, resumed[1])
+            if resumed
+            else (
+                0,
+                {
+                    "reward": [],
+                    "length": [],
+                    "multi_window": [],
+                    "tokens_per_s": [],
+                    "skew_static": [],
+                    "skew_planned": [],
+                },
+            )
+        )
+        if not resumed:
+            history["warm_start_nll"] = warm_start(cfg, task, roles.policy)
+        _export_for_rollout(cfg, roles, out / "rollout_init")
+        roles.rollout = start_rollout(cfg, out / "rollout_init", remote=True)
+        with MetricsLogger(
+            out,
+            cfg.logging,
+            cfg.run.name,
+            dataclasses.asdict(cfg),
+            resume_step=resumed[0] if resumed else None,
+        ) as logger:
+            for step in progress(
+                range(start, cfg.run.num_steps),
+                total=cfg.run.num_steps,
+                initial=start,
+                desc="T-PPO",
+                enabled=cfg.logging.progress,
+            ):
+                metrics = rl_step(step, cfg, pool, roles, task.verifier, task.stop_token_ids)
+                _remember(history, metrics)
+                logger.log(metrics, step=step)
+                if (
+                    cfg.run.save_every and (step + 1) % cfg.run.save_every == 0
+                ) or step + 1 == cfg.run.num_steps:
+                    _save(cfg, roles, pool, step, history)
+            summary = summarize(history)
+            logger.summary(summary)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _start_roles(cfg: ExperimentConfig) -> Roles:
+    total = cfg.run.num_steps
+    policy = start_trainers("policy", cfg, cfg.parallel, cfg.cluster.policy_ranks, True, total)
+    critic = start_trainers("critic", cfg, critic_parallel(cfg), cfg.cluster.critic_ranks, True, total)
+    routing = cfg.algo.routing_replay == "r3"
+    return Roles(
+        policy=Trainer(policy, cfg.parallel.micro_batch_size, routing),
+        critic=Trainer(critic, cfg.parallel.micro_batch_size, False),
+        rollout=None,
+    )
+
+
+def _export_for_rollout(cfg: ExperimentConfig, roles: Roles, hf_dir: Path) -> None:
+    roles.policy.ranks.call("export_hf", None, str(hf_dir))
+
+
+def _remember(history: dict[str, Any], m: dict[str, float]) -> None:
+    for key, metric in (
+        ("reward", "rollout/reward_mean"),
+        ("length", "rollout/length_mean"),
+        ("multi_window", "rollout/multi_window_fraction"),
+        ("tokens_per_s", "rollout/tokens_per_s"),
+        ("skew_static", "relibra/skew_static"),
+        ("skew_planned", "relibra/skew_planned"),
+    ):
+        history[key].append(m.get(metric, float("nan")))
+
+
+def summarize(history: dict[str, Any]) -> dict[str, Any]:
+    rewards = np.array(history["reward"], dtype=float)
+    k = max(1, len(rewards) // 5)
+    return {
+        "steps": len(rewards),
+        "reward_first": float(np.nanmean(rewards[:k])) if len(rewards) else float("nan"),
+        "reward_last": float(np.nanmean(rewards[-k:])) if len(rewards) else float("nan"),
+        "truncated_fraction": float(np.nanmean(history["multi_window"]))
+        if history["multi_window"]
+        else float("nan"),
+        "tokens_per_s": float(np.nanmean(history["tokens_per_s"]))
+        if history["tokens_per_s"]
+        else float("nan"),
+        "skew_static": float(np.nanmean(history["skew_static"])) if history["skew_static"] else float("nan"),
+        "skew_planned": float(np.nanmean(history["skew_planned"]))
+        if history["skew_planned"]
+        else float("nan"),
+    }
