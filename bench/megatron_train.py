@@ -193,8 +193,12 @@ def run_variant(variant: str, s: Shape, args) -> dict:
         losses=losses,
     )
     if cuda:
+        from tppo.engine import experts as experts_mod
+
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         out["device"] = torch.cuda.get_device_name()
+        out["attention"] = flash_probe(s)
+        out["grouped_mm_column_major"] = experts_mod._COLUMN_MAJOR_OK["cuda"]
     return out
 
 
@@ -205,8 +209,23 @@ def _attention_context(cuda: bool):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    # Only the flash kernel: if it cannot run, fail rather than time a slow fallback.
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+    # Flash first; the memory-efficient kernel only if flash cannot take the inputs (`flash_probe` says).
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+
+
+def flash_probe(s: Shape) -> str:
+    """Does the flash kernel take attention inputs laid out as the model's ([S, B, H, D] permuted)?"""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(s.seq, 1, s.heads, s.head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            x = q.permute(1, 2, 0, 3)
+            torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True).sum().backward()
+        return "flash"
+    except RuntimeError as exc:
+        return f"no flash: {exc}"[:300]
 
 
 def run_checks(args) -> dict:

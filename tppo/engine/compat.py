@@ -6,6 +6,9 @@ CUDA is absent (it refuses otherwise), is idempotent, and reports what it applie
 the mathematics: it only lets device bookkeeping (current device, streams, events, the CUDA RNG state
 saved by activation recompute) degrade to the CPU.
 
+One fix is not about the CPU: megatron-core 0.16.1 without transformer-engine misses a symbol on every
+device (`fix_missing_te_symbols`, applied by `tppo.engine.parallel.init_parallel` on GPU too).
+
 Parts of running on CPU that are not patches live where they belong: the core attention on torch SDPA
 (`tppo.engine.model`), the allgather token dispatcher on CPU (`tppo.engine.model`), and a torch AdamW in
 place of Megatron's CUDA-only optimizer (`tppo.engine.engine`).
@@ -19,7 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PATCHES", "compat_active", "enable_cpu_compat"]
+__all__ = [
+    "PATCHES",
+    "compat_active",
+    "enable_cpu_compat",
+    "fix_missing_te_symbols",
+    "maybe_enable_cpu_compat",
+]
 
 
 class _NoStream:
@@ -91,13 +100,23 @@ def _patch_streams_events() -> None:
     torch.cuda.is_current_stream_capturing = lambda: False
 
 
-def _patch_te_general_gemm() -> None:
-    # 0.16.1 reads moe_utils.te_general_gemm in the router's gating linear, but only defines the name
-    # when transformer-engine imports; without it the router raises NameError.
+def fix_missing_te_symbols() -> bool:
+    """Define moe_utils.te_general_gemm = None when transformer-engine is absent (CPU or GPU).
+
+    0.16.1 reads that name in the router's gating linear but only defines it when transformer-engine
+    imports; without TE the router raises NameError on any device. Not a CPU patch: `init_parallel`
+    applies it on every machine. Returns whether the name had to be defined.
+    """
     from megatron.core.transformer.moe import moe_utils
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    if hasattr(moe_utils, "te_general_gemm"):
+        return False
+    moe_utils.te_general_gemm = None
+    return True
+
+
+def _patch_te_general_gemm() -> None:
+    fix_missing_te_symbols()
 
 
 def _patch_cuda_rng_state() -> None:

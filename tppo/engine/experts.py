@@ -31,9 +31,22 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 __all__ = ["GroupedExperts", "grouped_swiglu"]
 
 
+_COLUMN_MAJOR_OK = {"cpu": True, "cuda": True}
+
+
 def _grouped_linear(x_NK: torch.Tensor, w_EOK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """y[n] = x[n] @ w[e(n)]^T for tokens sorted by expert; offs_E are the cumulative token counts."""
-    return torch._grouped_mm(x_NK, w_EOK.transpose(1, 2), offs=offs_E)
+    w_EKO = w_EOK.transpose(1, 2)  # column-major view: the layout nn.Linear's GEMM uses
+    kind = x_NK.device.type
+    if _COLUMN_MAJOR_OK.get(kind, True):
+        try:
+            return torch._grouped_mm(x_NK, w_EKO, offs=offs_E)
+        except RuntimeError as exc:
+            if "stride" not in str(exc) and "layout" not in str(exc) and "major" not in str(exc):
+                raise
+            # A build whose kernel takes row-major weights only: pay one weight copy per call.
+            _COLUMN_MAJOR_OK[kind] = False
+    return torch._grouped_mm(x_NK, w_EKO.contiguous(), offs=offs_E)
 
 
 def _looped_linear(x_NK: torch.Tensor, w_EOK: torch.Tensor, counts: list[int]) -> torch.Tensor:

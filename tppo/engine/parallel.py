@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tppo.config import ParallelConfig
-from tppo.engine.compat import maybe_enable_cpu_compat
+from tppo.engine.compat import fix_missing_te_symbols, maybe_enable_cpu_compat
 
 __all__ = ["ParallelGroups", "free_port", "init_parallel"]
 
@@ -114,6 +114,7 @@ def init_parallel(parallel: ParallelConfig, *, timeout_s: float = 300.0) -> Para
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     else:
         maybe_enable_cpu_compat()
+    fix_missing_te_symbols()
     _start_torch_distributed(backend, timeout_s)
     world = dist.get_world_size()
     _check_layout(parallel, world)
