@@ -172,6 +172,12 @@ def run_variant(variant: str, s: Shape, args) -> dict:
                 opt_ms.append(timer.ms(b, c))
                 step_ms.append(timer.ms(a, c))
             assert not result.skipped, "non-finite gradients in the benchmark"
+    fwd_only = []
+    with attn:
+        for _ in range(3):  # inference forward of one micro-batch (old log-probs): no grad, no recompute
+            a = timer.mark()
+            engine.forward(batches[:1])
+            fwd_only.append(timer.ms(a, timer.mark()))
     tokens = micro * s.seq
     med = statistics.median(step_ms)
     tflops = flops_per_token(s) * tokens / (med / 1e3) / 1e12
@@ -186,6 +192,7 @@ def run_variant(variant: str, s: Shape, args) -> dict:
         step_ms_all=step_ms,
         fwd_bwd_ms=statistics.median(fb_ms),
         optimizer_ms=statistics.median(opt_ms),
+        forward_only_ms=statistics.median(fwd_only),
         tokens_per_s=tokens / (med / 1e3),
         tflops=tflops,
         mfu=tflops / PEAK_TFLOPS if cuda else None,
