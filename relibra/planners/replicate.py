@@ -8,14 +8,16 @@ than eps and a move is possible:
   pick the binding resource: NIC if kappa (max F - T_F) > max C - T_C, else compute, where kappa = (4 bytes /
   B_nic) / (a (1 + f_bwd)) prices a far pair's all-to-all time in compute pairs; the hot GPU h is the one with
   the largest load of that resource;
-  compute-bound: move NEAR pairs (compute only); NIC-bound: move FAR pairs (both loads);
+  compute-bound: move NEAR pairs first (compute only), then FAR pairs as long as the destination's NIC load stays
+  at or below the node's current maximum; NIC-bound: move FAR pairs (both loads), letting the destination's
+  compute rise at most to the node's current maximum (no move raises the other resource's maximum);
   destinations: GPUs of the node other than h holding a replica of the expert (top-up) or with a free replica
   slot (new replica), below the target(s) the move adds to; amount x = min(excess of h, slack of the
   destination, movable pairs), rounded down to the GEMM tile unless it empties the item; a new replica needs
   x >= min_replica_tokens (tiny GEMMs are inefficient) and may take up to max(excess, min_replica_tokens);
   take the expert with the most movable pairs that has a legal move and its least loaded destination.
 A resource whose move is impossible is skipped until some move succeeds; the problem stops when both are.
-With one node (no far pairs) this is the spec's token greedy exactly.
+With kappa = 0 (one node, or no cost model) this is the spec's token greedy.
 
 Departures (ours): the spec levels tokens only; measured on the generator, the GPUs owning far-sourced experts
 then held the NIC bottleneck of the all-to-all (1.3x the ideal receive volume) while compute was level, so the
@@ -110,12 +112,26 @@ class _Greedy:
         C, F = self.load_C[active], self.load_F[active]
         own = np.where(res == 1, F.argmax(axis=1), C.argmax(axis=1))  # hot GPU
         excess = np.where(res == 1, F[rows, own] - self.T_F[active], C[rows, own] - self.T_C[active])
-        movable = self.rem[active, res, own]  # [A, H] near (res 0) or far (res 1) pairs of the hot GPU
+        near, far = (
+            self.rem[active, 0, own],
+            self.rem[active, 1, own],
+        )  # [A, H] pairs of the hot GPU's experts
         slack_C = self.T_C[active][:, None] - C
         slack_F = self.T_F[active][:, None] - F
-        # A far move may lift the destination's compute up to the node's current maximum (which it never raises:
-        # the objective max C + kappa max F can only fall); compute moves level it afterwards.
+        # Compute moves take near pairs first, then far pairs up to what keeps the destination's NIC load at or
+        # below the node's current maximum; NIC moves take far pairs and may lift the destination's compute up to
+        # the node's current maximum. Neither raises the other resource's maximum (max C + kappa max F only falls).
+        nic_room = (
+            np.maximum(F.max(axis=1, keepdims=True), self.T_F[active][:, None]) - F if self.kappa else None
+        )
         room_C = np.maximum(C.max(axis=1, keepdims=True), self.T_C[active][:, None]) - C
+        if nic_room is None:
+            by_compute = (near + far)[:, :, None] + np.zeros((1, 1, self.Q), dtype=np.int64)
+        else:
+            by_compute = near[:, :, None] + np.minimum(
+                far[:, :, None], np.floor(nic_room[:, None, :]).astype(np.int64)
+            )
+        movable = np.where(res[:, None, None] == 1, far[:, :, None], by_compute)  # [A, H, Q]
         slack = np.where(res[:, None] == 1, np.minimum(slack_F, room_C), slack_C)  # [A, Q]
         expert = own[:, None] * self.H + np.arange(self.H)[None]
         slots = self.local[active]
@@ -125,18 +141,43 @@ class _Greedy:
         # smaller than the minimum quota can still be moved.
         want = np.where(existing, excess[:, None, None], np.maximum(excess, self.min_pairs)[:, None, None])
         budget = np.floor(np.minimum(want, slack[:, None, :])).astype(np.int64)
-        amount = np.minimum(budget, movable[:, :, None])  # [A, H, Q]; <= 0 where no room
-        amount = np.where(amount < movable[:, :, None], amount - amount % self.tile, amount)
+        amount = np.minimum(budget, movable)  # [A, H, Q]; <= 0 where no room
+        amount = np.where(amount < movable, amount - amount % self.tile, amount)
         feasible = (np.arange(self.Q)[None, None, :] != own[:, None, None]) & (amount > 0)
         feasible &= existing | (free[:, None, :] & (amount >= self.min_pairs))
         cold = np.where(res[:, None] == 1, F, C)
         dest = np.where(feasible, cold[:, None, :], np.inf).argmin(axis=-1)  # [A, H]
         has = feasible.any(axis=-1)
-        h = np.where(has, movable, -1).argmax(axis=1)
+        h = np.where(has, np.where(res[:, None] == 1, far, near + far), -1).argmax(axis=1)
         ok = has[rows, h]
         self.blocked[active[~ok], res[~ok]] = True
         self._apply(active[ok], res[ok], own[ok], h[ok], dest[rows[ok], h[ok]], amount[rows[ok], h[ok]])
         return active
+
+    def relax(self, num_rounds: int) -> None:
+        """Level compute along the existing copies: for each replica slot in turn (one per problem, so no two
+        updates touch the same GPU pair), move near pairs between the owner's home instance and the copy, half the
+        load difference, never leaving a copy below the minimum quota. The maximum never rises; it frees slack on
+        GPUs whose slots are taken so that the greedy can continue ("chains" of moves through existing copies)."""
+        H = self.H
+        for _ in range(num_rounds):
+            for q in range(self.Q):
+                for r in range(self.R):
+                    e = self.local[:, q, r]
+                    b = np.flatnonzero(e >= 0)
+                    if not len(b):
+                        continue
+                    o, h = e[b] // H, e[b] % H
+                    gap = self.load_C[b, o] - self.load_C[b, q]
+                    half = np.floor(np.abs(gap) / 2).astype(np.int64)
+                    copy = self.rep[b, 0, q, r] + self.rep[b, 1, q, r]
+                    forward = np.minimum(half, self.rem[b, 0, o, h])
+                    backward = np.minimum(np.minimum(half, self.rep[b, 0, q, r]), copy - self.min_pairs)
+                    x = np.where(gap > 0, forward, -np.maximum(backward, 0))
+                    self.rem[b, 0, o, h] -= x
+                    self.rep[b, 0, q, r] += x
+                    self.load_C[b, o] -= x
+                    self.load_C[b, q] += x
 
     def _apply(self, b, res, own, h, q, amount) -> None:
         x = amount[np.arange(len(b)), q]
@@ -144,14 +185,17 @@ class _Greedy:
         row_slots = self.local[b, q]
         is_copy = row_slots == expert[:, None]
         r = np.where(is_copy.any(axis=1), is_copy.argmax(axis=1), (row_slots == -1).argmax(axis=1))
-        self.rem[b, res, own, h] -= x
+        x_near = np.where(res == 1, 0, np.minimum(x, self.rem[b, 0, own, h]))
+        x_far = x - x_near
+        self.rem[b, 0, own, h] -= x_near
+        self.rem[b, 1, own, h] -= x_far
         self.load_C[b, own] -= x
         self.load_C[b, q] += x
-        far = x * res
-        self.load_F[b, own] -= far
-        self.load_F[b, q] += far
+        self.load_F[b, own] -= x_far
+        self.load_F[b, q] += x_far
         self.local[b, q, r] = expert
-        self.rep[b, res, q, r] += x
+        self.rep[b, 0, q, r] += x_near
+        self.rep[b, 1, q, r] += x_far
         self.blocked[b] = False
 
 
@@ -164,50 +208,28 @@ def greedy_replicas(
     tile: int = 1,
     kappa: float = 0.0,
     max_moves: int = 0,
+    num_passes: int = 2,
+    num_relax_rounds: int = 2,
 ) -> ReplicaSet:
     """Run the greedy of the module docstring on every problem; near/far_BQH int [B, Q, H] pairs of home experts.
 
-    kappa = 0 ignores NIC balance (the spec's token greedy on near + far pairs; far pairs then move only when a
-    GPU's near pairs cannot).
+    kappa = 0 ignores NIC balance: the spec's token greedy (copies take near pairs first, then far ones).
     """
     B, Q, H = near_BQH.shape
     state = _Greedy(near_BQH, far_BQH, num_replica_slots, min_pairs, eps, tile, kappa)
     if kappa == 0:
-        # Token greedy: one resource; let compute moves take far pairs when near ones run out.
-        state.rem = np.stack([near_BQH + far_BQH, np.zeros_like(far_BQH)], axis=1).astype(np.int64)
-        state.load_F[:] = 0
-        state.T_F[:] = 0
-    active = np.arange(B) if num_replica_slots > 0 and Q > 1 else np.zeros(0, dtype=np.int64)
-    for _ in range(max_moves or 4 * Q * (num_replica_slots + H)):
-        if not len(active):
-            break
-        active = state.step(active)
-    near_rep, far_rep = state.rep[:, 0], state.rep[:, 1]
-    if kappa == 0:
-        # Bookkeeping above merged near and far; re-split each copy's pairs near-first within its expert.
-        return _resplit_token_greedy(near_BQH, far_BQH, state.local, near_rep, H)
-    return ReplicaSet(state.local, near_rep, far_rep, state.rem[:, 0], state.rem[:, 1])
-
-
-def _resplit_token_greedy(near_BQH, far_BQH, local_BQR, pairs_BQR, H: int) -> ReplicaSet:
-    """Token greedy: copies take near pairs of their expert first (cheap transfers), the home keeps the rest."""
-    _B, Q, R = local_BQR.shape
-    near_left = near_BQH.astype(np.int64).copy()
-    far_left = far_BQH.astype(np.int64).copy()
-    near_rep = np.zeros_like(pairs_BQR)
-    far_rep = np.zeros_like(pairs_BQR)
-    for q in range(Q):
-        for r in range(R):
-            e = local_BQR[:, q, r]
-            has = e >= 0
-            b = np.flatnonzero(has)
-            oq, oh = e[has] // H, e[has] % H
-            x = pairs_BQR[b, q, r]
-            take_near = np.minimum(x, near_left[b, oq, oh])
-            near_left[b, oq, oh] -= take_near
-            far_left[b, oq, oh] -= x - take_near
-            near_rep[b, q, r], far_rep[b, q, r] = take_near, x - take_near
-    return ReplicaSet(local_BQR, near_rep, far_rep, near_left, far_left)
+        state.T_F[:] = np.inf  # NIC load is not balanced: never the binding resource
+    if num_replica_slots == 0 or Q == 1:
+        return ReplicaSet(state.local, state.rep[:, 0], state.rep[:, 1], state.rem[:, 0], state.rem[:, 1])
+    for _ in range(num_passes):
+        state.blocked[:] = False
+        active = np.arange(B)
+        for _ in range(max_moves or 4 * Q * (num_replica_slots + H)):
+            if not len(active):
+                break
+            active = state.step(active)
+        state.relax(num_relax_rounds)
+    return ReplicaSet(state.local, state.rep[:, 0], state.rep[:, 1], state.rem[:, 0], state.rem[:, 1])
 
 
 def northwest_segments(demand_XS: np.ndarray, capacity_XK: np.ndarray):

@@ -1,0 +1,148 @@
+"""ReLibra simulator benchmark: the issue's Targets table on the real Qwen3-30B-A3B routing and on the generator.
+
+    python bench/relibra_sim.py [--json bench/out/relibra_sim.json] [--gen-steps 3] [--tokens-per-rank 4096]
+
+For each dataset (real routing logs cut into 256-token micro-batches; synthetic RL-like loads with 32 micro-batches
+of `--tokens-per-rank` tokens per source rank, 48 layers, 128 experts) at EP 16 and 32, 8 GPUs per node and 2
+replica slots, every planner is run step by step (validated) and simulated with the packaged Hopper cost model.
+Then it checks the targets: relibra within 5% of ideal, >= 1.1x faster than eplb_oracle (the better of its
+hierarchical and global policies) and >= 1.3x faster than static on the MoE part, mean skew <= 1.08; and it times
+the relibra planner on one step of 32 micro-batches x 48 layers x 128 experts at EP 32 (wall and CPU seconds,
+1 and 2 threads, with the machine's load average). Prints tables; writes everything to --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from relibra.config import RelibraConfig
+from relibra.cost_model import CostModel
+from relibra.loads import LoadTrace, loads_from_vllm_logs
+from relibra.plan import PlannerState, Topology
+from relibra.planners import PlanContext, run_planner
+from relibra.simulate import DEFAULT_PLANS, format_table, simulate_trace
+from relibra.synthetic import SyntheticLoads, generate_loads
+
+ROOT = Path(__file__).resolve().parents[1]
+ROUTING = ROOT / ".." / "shared" / "data" / "routing" / "qwen3-30b-a3b-vllm"
+LOGS = ("ep_states.jsonl", "token_distri_8.jsonl", "token_distri_16.jsonl")
+PLANS = (*DEFAULT_PLANS[:4], "eplb_history_global", *DEFAULT_PLANS[4:])
+
+
+def _targets(rows: dict) -> dict:
+    ideal = rows["ideal"]["moe_us"]
+    relibra = rows["relibra"]["moe_us"]
+    eplb = min(rows[p]["moe_us"] for p in ("eplb_oracle", "eplb_oracle_global"))
+    return {
+        "relibra_vs_ideal": relibra / ideal,
+        "speedup_vs_eplb_oracle": eplb / relibra,
+        "speedup_vs_static": rows["static"]["moe_us"] / relibra,
+        "relibra_mean_skew": rows["relibra"]["mean_skew"],
+        "met": {
+            "within_5pct_of_ideal": relibra / ideal <= 1.05,
+            "1.1x_vs_eplb_oracle": eplb / relibra >= 1.1,
+            "1.3x_vs_static": rows["static"]["moe_us"] / relibra >= 1.3,
+            "mean_skew_le_1.08": rows["relibra"]["mean_skew"] <= 1.08,
+        },
+    }
+
+
+def _run(label: str, trace: LoadTrace, ep: int, cfg: RelibraConfig, cost: CostModel) -> dict:
+    topo = Topology(ep, 8, trace.num_experts, 2)
+    start = time.perf_counter()
+    rows = simulate_trace(trace, topo, cfg, cost, PLANS, validate=True)
+    print(
+        f"\n== {label}: EP {ep}, loads {list(trace.loads_NMLSE.shape)} ({time.perf_counter() - start:.0f} s)"
+    )
+    print(format_table(rows, trace.num_steps))
+    by_name = {r.plan: dataclasses.asdict(r) for r in rows}
+    targets = _targets(by_name)
+    met = ", ".join(f"{k}={'yes' if v else 'NO'}" for k, v in targets["met"].items())
+    print(
+        f"relibra/ideal {targets['relibra_vs_ideal']:.3f}, vs eplb_oracle {targets['speedup_vs_eplb_oracle']:.2f}x, "
+        f"vs static {targets['speedup_vs_static']:.2f}x, mean skew {targets['relibra_mean_skew']:.3f} -> {met}"
+    )
+    return {
+        "label": label,
+        "ep": ep,
+        "shape_NMLSE": list(trace.loads_NMLSE.shape),
+        "rows": by_name,
+        **targets,
+    }
+
+
+def _planning_time(trace: LoadTrace, cost: CostModel, repeats: int) -> list[dict]:
+    topo = Topology(32, 8, trace.num_experts, 2)
+    out = []
+    for threads in (1, 2):
+        ctx = PlanContext(topo, RelibraConfig(planner_threads=threads), cost, trace.topk)
+        wall, cpu = [], []
+        for r in range(repeats):
+            loads = trace.loads_NMLSE[r % trace.num_steps]
+            w0, c0 = time.perf_counter(), time.process_time()
+            run_planner("relibra", loads, ctx, PlannerState())
+            wall.append(time.perf_counter() - w0)
+            cpu.append(time.process_time() - c0)
+        out.append({
+            "threads": threads, "wall_s_median": float(np.median(wall)), "wall_s_min": float(np.min(wall)),
+            "cpu_s_median": float(np.median(cpu)), "load_average_1min": os.getloadavg()[0],
+        })  # fmt: skip
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", default=str(ROOT / "bench" / "out" / "relibra_sim.json"))
+    p.add_argument("--gen-steps", type=int, default=3)
+    p.add_argument("--tokens-per-rank", type=int, default=4096)
+    p.add_argument("--timing-repeats", type=int, default=5)
+    args = p.parse_args()
+    cost = CostModel.from_yaml()
+    cfg = RelibraConfig()
+    results: dict = {"cost_model": dataclasses.asdict(cost), "config": dataclasses.asdict(cfg), "runs": []}
+    if ROUTING.is_dir():
+        for ep in (16, 32):
+            trace = loads_from_vllm_logs(
+                [ROUTING / f for f in LOGS], microbatch_tokens=256, num_source_ranks=ep
+            )
+            results["runs"].append(
+                _run("real Qwen3-30B-A3B routing, 256-token micro-batches", trace, ep, cfg, cost)
+            )
+    else:
+        print(f"real routing logs not found at {ROUTING}: skipping the real-data rows")
+    gen32 = None
+    for ep in (16, 32):
+        params = SyntheticLoads(
+            num_steps=args.gen_steps, num_source_ranks=ep, tokens_per_rank=args.tokens_per_rank
+        )
+        start = time.perf_counter()
+        trace = generate_loads(params)
+        print(f"\n(generated {list(trace.loads_NMLSE.shape)} in {time.perf_counter() - start:.0f} s)")
+        run = _run("synthetic RL-like loads", trace, ep, cfg, cost)
+        run["generator"] = dataclasses.asdict(params)
+        results["runs"].append(run)
+        gen32 = trace if ep == 32 else gen32
+    timing = _planning_time(gen32, cost, args.timing_repeats)
+    results["planning_time_ep32_M32_L48_E128"] = timing
+    print(
+        "\n== relibra planning time, one step: 32 micro-batches x 48 layers x 128 experts, EP 32 (target < 1 s)"
+    )
+    for t in timing:
+        print(
+            f"threads {t['threads']}: wall median {t['wall_s_median']:.3f} s (min {t['wall_s_min']:.3f}), "
+            f"CPU {t['cpu_s_median']:.3f} s, load average {t['load_average_1min']:.2f}"
+        )
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
