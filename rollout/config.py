@@ -37,5 +37,6 @@ class DataConfig:
     template: str = spec("plain", help="a registered prompt template")
     tokenizer: str | None = spec(None, help="HF tokenizer path; None uses the built-in tokenizer")
     reward: str = spec("math", help="a registered reward function")
+    reward_timeout_s: float = spec(30.0, gt=0, help="a reward call running longer scores as a failure")
     shuffle: bool = True
     max_prompt_length: int = spec(1024, ge=1)

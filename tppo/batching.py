@@ -89,8 +89,11 @@ def sequence_ids(sample: Sample) -> np.ndarray:
 
 def _routing_rows(samples: Sequence[Sample], width: int) -> torch.Tensor | None:
     routes = [s.routed_experts for s in samples]
-    if any(r is None for r in routes):
-        return None
+    missing = [s.uid for s, r in zip(samples, routes) if r is None]
+    if missing:
+        raise ValueError(
+            f"routing replay is on but samples {missing[:5]} carry no routed experts from the rollout"
+        )
     num_layers, k = routes[0].shape[1:]
     out = torch.zeros(len(samples), width, num_layers, k, dtype=torch.int32)
     for b, (s, r) in enumerate(zip(samples, routes)):

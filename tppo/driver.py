@@ -75,7 +75,7 @@ def rl_step(
     batch = pool.take()
     with timer("rollout"):
         generate(roles, batch, cfg, step, stop_ids)
-    metrics |= score_finished(batch, verifier)
+    metrics |= score_finished(batch, verifier, cfg.data.reward_timeout_s)
     with timer("values"):
         critic_in = roles.critic.critic_batches(batch)
         values = _rows(
@@ -98,7 +98,10 @@ def rl_step(
             metrics |= _step_metrics("critic", result)
     if step >= cfg.algo.critic_warmup_steps:
         with timer("old_logprobs"):
-            metrics |= fill_old_logprobs(policy_in, roles.policy.forward(policy_in))
+            # R2: the trainer's own pass records the experts the update then replays.
+            record = cfg.algo.routing_replay == "r2"
+            outs = roles.policy.forward(policy_in, record_routing=record)
+            metrics |= fill_old_logprobs(policy_in, outs, record)
         with timer("policy_update"):
             result = roles.policy.train(policy_in, policy_objective(cfg, policy_in))
             metrics |= _step_metrics("tppo", result)

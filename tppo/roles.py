@@ -123,8 +123,10 @@ class Trainer:
         split = split_for_ranks(samples, self.placement(len(samples)))
         return [[critic_batch(ss, ff, self.routing) for ss, ff in rank] for rank in split]
 
-    def forward(self, batches: list[list[TrainBatch]], with_entropy: bool = False) -> list[list[Any]]:
-        return self._run("forward", batches, with_entropy)
+    def forward(
+        self, batches: list[list[TrainBatch]], with_entropy: bool = False, record_routing: bool = False
+    ) -> list[list[Any]]:
+        return self._run("forward", batches, with_entropy, record_routing)
 
     def train(self, batches: list[list[TrainBatch]], objective: Any) -> StepResult:
         return self._run("train", batches, objective)[0]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -55,20 +57,33 @@ def request_seed(run_seed: int, step: int, uid: str) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
-def score_finished(batch: Sequence[Sample], verifier: Verifier) -> dict[str, float]:
-    """Give every finished sample its reward; a verifier that raises scores -1 and is counted, never fatal."""
-    failures = 0
-    for s in batch:
-        if not s.finished:
-            continue
-        try:
-            reward = float(verifier(s))
-            if not np.isfinite(reward):
-                raise ValueError(f"non-finite reward {reward}")
-        except Exception:
-            reward, failures = -1.0, failures + 1
-        s.reward = reward
-    return {"rollout/reward_failures": float(failures)}
+def score_finished(
+    batch: Sequence[Sample], verifier: Verifier, timeout_s: float = 30.0, failure_reward: float = -1.0
+) -> dict[str, float]:
+    """Give every finished sample its reward. A verifier that raises, returns a non-finite value or runs past
+    `timeout_s` scores `failure_reward` for that sample and is counted; it never ends the run. A verifier stuck
+    past its time is abandoned in its thread (Python cannot kill a thread) and scoring goes on in a new one."""
+    failures, timeouts = 0, 0
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
+        for s in batch:
+            if not s.finished:
+                continue
+            future = pool.submit(verifier, s)
+            try:
+                reward = float(future.result(timeout=timeout_s))
+                if not np.isfinite(reward):
+                    raise ValueError(f"non-finite reward {reward}")
+            except FutureTimeout:
+                reward, timeouts = failure_reward, timeouts + 1
+                pool.shutdown(wait=False, cancel_futures=True)
+                pool = ThreadPoolExecutor(max_workers=1)
+            except Exception:
+                reward, failures = failure_reward, failures + 1
+            s.reward = reward
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return {"rollout/reward_failures": float(failures), "rollout/reward_timeouts": float(timeouts)}
 
 
 def _window_tensor(rows: Sequence[np.ndarray], width: int) -> torch.Tensor:
@@ -137,12 +152,15 @@ def _reward_row(s: Sample) -> np.ndarray:
     return row
 
 
-def fill_old_logprobs(policy_batches, forward_outputs) -> dict[str, float]:
-    """Store the trainer's pre-update log-probs as the PPO ratio's denominator; report the rollout mismatch."""
+def fill_old_logprobs(policy_batches, forward_outputs, take_routing: bool = False) -> dict[str, float]:
+    """Store the trainer's pre-update log-probs as the PPO ratio's denominator (and, for R2, the experts its
+    router chose, to be replayed by the update); report the rollout/trainer mismatch."""
     trainer, rollout, mask = [], [], []
     for rank_batches, rank_outs in zip(policy_batches, forward_outputs):
         for b, out in zip(rank_batches, rank_outs):
             b.payload.old_logprobs_BT = out.logprobs_BT.detach().float()
+            if take_routing:
+                b.routed_experts_BTLK = out.routed_experts_BTLK
             trainer.append(out.logprobs_BT.flatten())
             rollout.append(b.payload.rollout_logprobs_BT.flatten())
             mask.append(b.payload.window_mask_BT.flatten())

@@ -1,0 +1,119 @@
+"""The default recipe end to end (a few steps), resume after kill -9, and a dead actor's clear message."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# Timing keys differ between any two runs; everything else must match step for step.
+VOLATILE = ("time", "perf/", "rollout/tokens_per_s")
+
+
+def _cmd(out: Path, name: str, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "recipes.train",
+        f"run.output_dir={out}",
+        f"run.name={name}",
+        "run.num_steps=5",
+        "run.save_every=2",
+        "algo.warm_start_steps=3",
+        "algo.critic_warmup_steps=1",
+        "algo.batch_size=8",
+        "logging.wandb=disabled",
+        "logging.progress=false",
+        *extra,
+    ]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
+
+
+def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _comparable(path: Path) -> list[dict]:
+    rows = []
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        rows.append({k: v for k, v in r.items() if not k.startswith(VOLATILE)})
+    return rows
+
+
+def _close(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, float) and isinstance(y, float):
+            if not (math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-7) or (math.isnan(x) and math.isnan(y))):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_default_recipe_runs_and_resumes_after_kill(tmp_path):
+    ref = _run(_cmd(tmp_path, "uninterrupted"))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run = tmp_path / "uninterrupted"
+    summary = json.loads((run / "summary.json").read_text())
+    for key in (
+        "reward_first",
+        "reward_last",
+        "truncated_fraction",
+        "tokens_per_s",
+        "skew_static",
+        "skew_planned",
+    ):
+        assert key in summary
+    assert summary["steps"] == 5 and summary["tokens_per_s"] > 0
+    assert (run / "checkpoints" / "latest").read_text() == "step_000004"
+    ref_rows = _comparable(run / "metrics.jsonl")
+    assert [r["step"] for r in ref_rows] == [0, 1, 2, 3, 4]
+
+    # Kill -9 once the first checkpoint (after step 1) is complete, then re-run the very same command.
+    cmd = _cmd(tmp_path, "killed")
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    marker = tmp_path / "killed" / "checkpoints" / "step_000001" / "COMPLETE"
+    deadline = time.time() + 600
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert marker.exists(), "the run never wrote its first checkpoint"
+    resumed = _run(cmd)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = _comparable(tmp_path / "killed" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    for a, b in zip(rows, ref_rows):
+        assert _close(a, b), f"step {a['step']} differs after resume:\n{a}\n{b}"
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_bad_override_fails_before_anything_starts(tmp_path):
+    result = _run(_cmd(tmp_path, "bad", "algo.window=0"), timeout=120)
+    assert result.returncode == 2
+    assert "algo.window=0 is not allowed" in result.stderr and "Traceback" not in result.stderr
