@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import json
 
-from recipes._hydra import recipe
+from recipes._hydra import fail, recipe
 from tppo.config import ExperimentConfig
 
 
 @recipe("train")
 def main(cfg: ExperimentConfig) -> None:
+    from tppo.roles import RoleError
     from tppo.run import run_dir, train
 
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except RoleError as err:
+        fail(f"training stopped: {err}")
     print(json.dumps(summary, indent=2))
     print(f"run directory: {run_dir(cfg)}")
 

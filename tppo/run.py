@@ -24,7 +24,7 @@ from tppo.config import ExperimentConfig, ParallelConfig
 from tppo.driver import Roles, rl_step
 from tppo.metrics import MetricsLogger, progress
 from tppo.pool import Sample, SamplePool
-from tppo.roles import RankGroup, Trainer, start_trainers, supervised_objective
+from tppo.roles import RankGroup, RoleError, Trainer, start_trainers, supervised_objective
 from tppo.tasks import Task, build_task
 
 
@@ -170,24 +170,36 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
             dataclasses.asdict(cfg),
             resume_step=resumed[0] if resumed else None,
         ) as logger:
-            for step in progress(
-                range(start, cfg.run.num_steps),
-                total=cfg.run.num_steps,
-                initial=start,
-                desc="T-PPO",
-                enabled=cfg.logging.progress,
-            ):
-                metrics = rl_step(step, cfg, pool, roles, task.verifier, task.stop_token_ids)
-                _remember(history, metrics)
-                logger.log(metrics, step=step)
-                if (
-                    cfg.run.save_every and (step + 1) % cfg.run.save_every == 0
-                ) or step + 1 == cfg.run.num_steps:
-                    _save(cfg, roles, pool, step, history)
+            try:
+                _loop(cfg, roles, pool, task, logger, history, start)
+            except RoleError as err:
+                last = checkpoint.latest(out / "checkpoints")
+                where = f"the last complete checkpoint is {last}" if last else "no checkpoint was written yet"
+                raise RoleError(f"{err}\n{where}; re-run the same command to resume") from err
             summary = summarize(history)
             logger.summary(summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _loop(
+    cfg: ExperimentConfig,
+    roles: Roles,
+    pool: SamplePool,
+    task: Task,
+    logger: MetricsLogger,
+    history: dict[str, Any],
+    start: int,
+) -> None:
+    steps = range(start, cfg.run.num_steps)
+    for step in progress(
+        steps, total=cfg.run.num_steps, initial=start, desc="T-PPO", enabled=cfg.logging.progress
+    ):
+        metrics = rl_step(step, cfg, pool, roles, task.verifier, task.stop_token_ids)
+        _remember(history, metrics)
+        logger.log(metrics, step=step)
+        if (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0) or step + 1 == cfg.run.num_steps:
+            _save(cfg, roles, pool, step, history)
 
 
 def _start_roles(cfg: ExperimentConfig) -> Roles:
