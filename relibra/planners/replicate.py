@@ -112,46 +112,52 @@ class _Greedy:
         C, F = self.load_C[active], self.load_F[active]
         own = np.where(res == 1, F.argmax(axis=1), C.argmax(axis=1))  # hot GPU
         excess = np.where(res == 1, F[rows, own] - self.T_F[active], C[rows, own] - self.T_C[active])
-        near, far = (
-            self.rem[active, 0, own],
-            self.rem[active, 1, own],
-        )  # [A, H] pairs of the hot GPU's experts
+        near, far = self.rem[active, 0, own], self.rem[active, 1, own]  # [A, H]: the hot GPU's experts
         slack_C = self.T_C[active][:, None] - C
         slack_F = self.T_F[active][:, None] - F
         # Compute moves take near pairs first, then far pairs up to what keeps the destination's NIC load at or
         # below the node's current maximum; NIC moves take far pairs and may lift the destination's compute up to
         # the node's current maximum. Neither raises the other resource's maximum (max C + kappa max F only falls).
-        nic_room = (
-            np.maximum(F.max(axis=1, keepdims=True), self.T_F[active][:, None]) - F if self.kappa else None
-        )
-        room_C = np.maximum(C.max(axis=1, keepdims=True), self.T_C[active][:, None]) - C
-        if nic_room is None:
-            by_compute = (near + far)[:, :, None] + np.zeros((1, 1, self.Q), dtype=np.int64)
+        if self.kappa:
+            nic_room = np.floor(np.maximum(F.max(axis=1, keepdims=True), self.T_F[active][:, None]) - F)
         else:
-            by_compute = near[:, :, None] + np.minimum(
-                far[:, :, None], np.floor(nic_room[:, None, :]).astype(np.int64)
-            )
-        movable = np.where(res[:, None, None] == 1, far[:, :, None], by_compute)  # [A, H, Q]
+            nic_room = np.full(F.shape, np.inf)
+        room_C = np.maximum(C.max(axis=1, keepdims=True), self.T_C[active][:, None]) - C
         slack = np.where(res[:, None] == 1, np.minimum(slack_F, room_C), slack_C)  # [A, Q]
-        expert = own[:, None] * self.H + np.arange(self.H)[None]
-        slots = self.local[active]
-        existing = (slots[:, None, :, :] == expert[:, :, None, None]).any(axis=-1)  # [A, H, Q]
-        free = (slots == -1).any(axis=-1)
-        # A new replica may take more than the excess (the hot GPU then ends below its target) so that an excess
-        # smaller than the minimum quota can still be moved.
-        want = np.where(existing, excess[:, None, None], np.maximum(excess, self.min_pairs)[:, None, None])
-        budget = np.floor(np.minimum(want, slack[:, None, :])).astype(np.int64)
-        amount = np.minimum(budget, movable)  # [A, H, Q]; <= 0 where no room
-        amount = np.where(amount < movable, amount - amount % self.tile, amount)
-        feasible = (np.arange(self.Q)[None, None, :] != own[:, None, None]) & (amount > 0)
-        feasible &= existing | (free[:, None, :] & (amount >= self.min_pairs))
         cold = np.where(res[:, None] == 1, F, C)
-        dest = np.where(feasible, cold[:, None, :], np.inf).argmin(axis=-1)  # [A, H]
-        has = feasible.any(axis=-1)
-        h = np.where(has, np.where(res[:, None] == 1, far, near + far), -1).argmax(axis=1)
-        ok = has[rows, h]
+        key = np.where(res[:, None] == 1, far, near + far)
+        order = np.argsort(-key, axis=1, kind="stable")  # hottest movable expert first
+        free = (self.local[active] == -1).any(axis=-1)  # [A, Q]
+        not_own = np.arange(self.Q)[None, :] != own[:, None]
+        pick_h = np.full(len(active), -1)
+        pick_q = np.zeros(len(active), dtype=np.int64)
+        pick_x = np.zeros(len(active), dtype=np.int64)
+        pending = rows
+        for k in range(self.H):  # try experts hottest first until one has a legal move
+            pending = pending[key[pending, order[pending, k]] > 0]
+            if not len(pending):
+                break
+            h = order[pending, k]
+            n, f = near[pending, h][:, None], far[pending, h][:, None]
+            movable = np.where(res[pending, None] == 1, f, n + np.minimum(f, nic_room[pending]))  # [P, Q]
+            expert = own[pending] * self.H + h
+            existing = (self.local[active[pending]] == expert[:, None, None]).any(axis=-1)
+            ex = excess[pending, None]
+            want = np.where(existing, ex, np.maximum(ex, self.min_pairs))
+            amount = np.minimum(np.floor(np.minimum(want, slack[pending])), movable).astype(np.int64)
+            amount = np.where(amount < movable, amount - amount % self.tile, amount)
+            feasible = (
+                not_own[pending] & (amount > 0) & (existing | (free[pending] & (amount >= self.min_pairs)))
+            )
+            has = feasible.any(axis=1)
+            dest = np.where(feasible, cold[pending], np.inf).argmin(axis=1)
+            done = pending[has]
+            pick_h[done], pick_q[done] = h[has], dest[has]
+            pick_x[done] = amount[np.flatnonzero(has), dest[has]]
+            pending = pending[~has]
+        ok = pick_h >= 0
         self.blocked[active[~ok], res[~ok]] = True
-        self._apply(active[ok], res[ok], own[ok], h[ok], dest[rows[ok], h[ok]], amount[rows[ok], h[ok]])
+        self._apply(active[ok], res[ok], own[ok], pick_h[ok], pick_q[ok], pick_x[ok])
         return active
 
     def relax(self, num_rounds: int) -> None:
@@ -179,8 +185,7 @@ class _Greedy:
                     self.load_C[b, o] -= x
                     self.load_C[b, q] += x
 
-    def _apply(self, b, res, own, h, q, amount) -> None:
-        x = amount[np.arange(len(b)), q]
+    def _apply(self, b, res, own, h, q, x) -> None:
         expert = own * self.H + h
         row_slots = self.local[b, q]
         is_copy = row_slots == expert[:, None]
