@@ -136,22 +136,37 @@ def _patch_cuda_rng_state() -> None:
     tracker_cls.fork = lambda self, name="model-parallel-rng": contextlib.nullcontext()
 
 
+def _on_cpu(device):
+    if device is not None and torch.device(device).type == "cuda":
+        return "cpu"
+    return device
+
+
 class _CpuTorch:
-    """The torch module as seen by Megatron's pipeline schedules, with device="cuda" read as the CPU."""
+    """The torch module as seen by a Megatron module that writes device="cuda" literally: its tensor
+    factories read that literal as the CPU; everything else is torch itself."""
 
     def __getattr__(self, name):
         return getattr(torch, name)
 
     @staticmethod
     def zeros(*args, device=None, **kwargs):
-        if device is not None and torch.device(device).type == "cuda":
-            device = "cpu"
-        return torch.zeros(*args, device=device, **kwargs)
+        return torch.zeros(*args, device=_on_cpu(device), **kwargs)
+
+    @staticmethod
+    def tensor(*args, device=None, **kwargs):
+        return torch.tensor(*args, device=_on_cpu(device), **kwargs)
+
+    @staticmethod
+    def empty(*args, device=None, **kwargs):
+        return torch.empty(*args, device=_on_cpu(device), **kwargs)
 
 
-def _patch_schedules_cuda_literal() -> None:
+def _patch_cuda_literals() -> None:
     # The forward/backward schedules allocate their token counter with device="cuda" (a literal, not
-    # current_device()); that one module sees a torch whose zeros() maps "cuda" to the CPU.
+    # current_device()); that module sees a torch whose tensor factories map "cuda" to the CPU.
+    # (Megatron's optimizer modules do the same and also check param.type() == "torch.cuda.*": they
+    # are not patched; the CPU engine uses torch's AdamW instead.)
     from megatron.core.pipeline_parallel import schedules
 
     schedules.torch = _CpuTorch()
@@ -174,9 +189,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch("cuda_rng_state", "recompute's CUDA RNG state save/restore become no-ops", _patch_cuda_rng_state),
     Patch(
-        "schedules_cuda_literal",
-        'pipeline schedules\' device="cuda" token counter on the CPU',
-        _patch_schedules_cuda_literal,
+        "cuda_literals", 'device="cuda" literals of the pipeline schedules -> the CPU', _patch_cuda_literals
     ),
 )
 

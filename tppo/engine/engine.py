@@ -42,7 +42,7 @@ from tppo.engine.parallel import ParallelGroups, init_parallel
 from tppo.engine.replay import RouterReplayAction, check_routed_experts
 from tppo.registry import Registry
 
-__all__ = ["LR_SCHEDULES", "MegatronEngine", "lr_at"]
+__all__ = ["LR_SCHEDULES", "MegatronEngine", "lr_at", "unshare_adam_steps"]
 
 LossFn = Callable[[ForwardOutput, TrainBatch], LossOutput]
 
@@ -78,6 +78,25 @@ def cosine_lr(step: int, cfg: OptimConfig, total_steps: int | None) -> float:
 def lr_at(step: int, cfg: OptimConfig, total_steps: int | None = None) -> float:
     """Learning rate of optimizer step `step` (0-based) under `cfg.schedule`."""
     return LR_SCHEDULES.get(cfg.schedule)(step, cfg, total_steps)
+
+
+def unshare_adam_steps(optimizer: torch.optim.Optimizer) -> int:
+    """Give every parameter's Adam state its own `step` tensor; return how many were shared.
+
+    Megatron 0.16.1's DistributedOptimizer.load_state_dict (without Apex/TE) puts ONE step tensor in every
+    parameter's state; torch's Adam then increments it once per parameter, so after resuming the bias
+    correction uses step 1 + N instead of 2 and the run silently diverges from the uninterrupted one.
+    """
+    seen: set[int] = set()
+    shared = 0
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            if id(step) in seen:
+                state["step"] = step.clone()
+                shared += 1
+            seen.add(id(state["step"]))
+    return shared
 
 
 def _cpu_copy(obj):
@@ -121,6 +140,7 @@ class MegatronEngine:
         experts: str = "grouped",
         load_weights: bool = True,
         dispatcher: str | None = None,
+        optimizer: str = "auto",
     ) -> None:
         if role not in ("policy", "critic"):
             raise ValueError(f"role must be 'policy' or 'critic', got {role!r}")
@@ -128,6 +148,12 @@ class MegatronEngine:
         self.role, self.total_steps = role, total_steps
         self.groups: ParallelGroups = init_parallel(parallel_cfg)
         self.cuda = self.groups.device.type == "cuda"
+        if optimizer not in ("auto", "megatron", "torch"):
+            raise ValueError(f"optimizer must be 'auto', 'megatron' or 'torch', got {optimizer!r}")
+        # Megatron's distributed optimizer on GPU, torch's AdamW on CPU; "torch" also works on GPU.
+        self.megatron_optimizer = optimizer == "megatron" or (optimizer == "auto" and self.cuda)
+        if self.megatron_optimizer and not self.cuda:
+            raise ValueError("optimizer='megatron' needs CUDA (Megatron's optimizer allocates CUDA tensors)")
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[model_cfg.dtype]
         if self.dtype == torch.bfloat16 and not self.cuda:
             raise ValueError("model.dtype=bfloat16 needs CUDA; CPU runs train in float32")
@@ -169,7 +195,7 @@ class MegatronEngine:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
-            use_distributed_optimizer=self.cuda,
+            use_distributed_optimizer=self.megatron_optimizer,
             check_for_nan_in_grad=False,
         )
         ddp = DistributedDataParallel(built.config, ddp_config, built.model)
@@ -182,7 +208,7 @@ class MegatronEngine:
 
     def _build_optimizer(self):
         o = self.optim_cfg
-        if self.cuda:
+        if self.megatron_optimizer:
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
             ocfg = OptimizerConfig(
@@ -594,7 +620,7 @@ class MegatronEngine:
             return StepResult(loss=float("nan"), grad_norm=grad_norm, lr=lr, skipped=True, num_microbatches=0)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if self.cuda:
+        if self.megatron_optimizer:
             self.optimizer.step()
         else:
             self._cpu_step(grad_norm)
@@ -639,7 +665,7 @@ class MegatronEngine:
         return tensors
 
     def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
-        if not self.cuda:
+        if not self.megatron_optimizer:
             return [self.optimizer]
         chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         return [o.optimizer for o in chained]
@@ -697,7 +723,7 @@ class MegatronEngine:
         self.step_count = int(sd["step"])
 
     def _optimizer_state(self) -> dict:
-        if not self.cuda:
+        if not self.megatron_optimizer:
             return {"torch": _cpu_copy(self.optimizer.state_dict())}
         chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         params = {}
@@ -711,15 +737,14 @@ class MegatronEngine:
         return {"common": [_cpu_copy(o.state_dict()) for o in chained], "params": params}
 
     def _load_optimizer_state(self, state: dict) -> None:
-        if not self.cuda:
+        if not self.megatron_optimizer:
             self.optimizer.load_state_dict(state["torch"])
             return
         chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         named = dict(self._trainable())
         for i, opt in enumerate(chained):
             opt.load_state_dict(state["common"][i])
-            if not opt.optimizer.state:
-                opt._init_optimizer_states_with_dummy_values()
+            unshare_adam_steps(opt.optimizer)
             for (j, name), tensors in state["params"].items():
                 if j == i:
                     opt._set_main_param_and_optimizer_states(named[name], tensors)

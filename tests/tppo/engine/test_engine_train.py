@@ -288,3 +288,48 @@ def test_bad_construction_arguments(ckpt):
         MegatronEngine(m, ParallelConfig(), OptimConfig(), role="reference")
     with pytest.raises(ValueError, match=r"expert_parallel=2 must divide the data x tensor ranks \(1\)"):
         MegatronEngine(ModelConfig(), ParallelConfig(expert_parallel=2), OptimConfig())
+
+
+def test_unshare_adam_steps_fixes_megatron_resume_bug():
+    """Megatron 0.16.1's DistributedOptimizer.load_state_dict puts one step tensor in every state; torch's
+    Adam then adds 1 per parameter. Reproduce that state on a torch Adam and check the repair."""
+    from tppo.engine.engine import unshare_adam_steps
+
+    def make():
+        params = [torch.nn.Parameter(torch.ones(3)) for _ in range(4)]
+        return params, torch.optim.Adam(params, lr=0.1)
+
+    params, opt = make()
+    shared = torch.tensor(1.0)
+    state = {i: {"step": shared, "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)} for i in range(4)}
+    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
+    assert unshare_adam_steps(opt) == 3
+    assert unshare_adam_steps(opt) == 0
+    for p in params:
+        p.grad = torch.ones(3)
+    opt.step()
+    assert [float(opt.state[p]["step"]) for p in params] == [2.0] * 4
+
+
+def test_alltoall_dispatcher_equals_allgather(ckpt):
+    """The GPU default (alltoall) and the CPU default (allgather) token dispatchers compute the same."""
+    m = model_config_from_hf(ckpt)
+    a2a = MegatronEngine(m, ParallelConfig(), OptimConfig(lr=1e-2), dispatcher="alltoall")
+    ag = MegatronEngine(m, ParallelConfig(), OptimConfig(lr=1e-2), dispatcher="allgather")
+    batches = [_batch(20), _batch(21)]
+    rec = a2a.forward(batches[:1], record_routing=True)[0]
+    replayed = TrainBatch(input_ids_BT=batches[0].input_ids_BT, routed_experts_BTLK=rec.routed_experts_BTLK)
+    assert torch.equal(a2a.forward([replayed])[0].logprobs_BT, rec.logprobs_BT)
+    assert torch.equal(ag.forward(batches[:1])[0].logprobs_BT, rec.logprobs_BT)
+    la, _ = a2a.forward_backward(batches, _nll)
+    lg, _ = ag.forward_backward(batches, _nll)
+    assert la == lg
+    grads = ag.named_grads()
+    assert all(torch.equal(v, grads[k]) for k, v in a2a.named_grads().items())
+
+
+def test_megatron_optimizer_needs_cuda(ckpt):
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU refusal")
+    with pytest.raises(ValueError, match="optimizer='megatron' needs CUDA"):
+        MegatronEngine(model_config_from_hf(ckpt), ParallelConfig(), OptimConfig(), optimizer="megatron")
