@@ -98,36 +98,35 @@ class _Greedy:
         self.rep = np.zeros((B, 2, Q, num_replica_slots), dtype=np.int64)
         self.blocked = np.zeros((B, 2), dtype=bool)  # resource 0 compute, 1 NIC
 
-    def over(self, idx: np.ndarray) -> np.ndarray:
-        """[A, 2] how far the hottest GPU is above each target, in compute pairs (0 if within eps)."""
-        c = self.load_C[idx].max(axis=1) - self.T_C[idx] * (1 + self.eps)
-        f = self.load_F[idx].max(axis=1) - self.T_F[idx] * (1 + self.eps)
-        return np.stack([np.maximum(c, 0), self.kappa * np.maximum(f, 0)], axis=1)
-
     def step(self, active: np.ndarray) -> np.ndarray:
         """One move in every active problem; returns the problems that stay active."""
-        over = self.over(active)
-        over = np.where(self.blocked[active], 0.0, over)
-        live = over.max(axis=1) > 0
-        active, over = active[live], over[live]
+        C, F = self.load_C[active], self.load_F[active]
+        T_C, T_F = self.T_C[active], self.T_F[active]
+        # How far the hottest GPU is above each target, in compute pairs (0 within eps or when blocked).
+        over_C = np.where(self.blocked[active, 0], 0.0, C.max(axis=1) - T_C * (1 + self.eps))
+        over_F = np.where(self.blocked[active, 1], 0.0, self.kappa * (F.max(axis=1) - T_F * (1 + self.eps)))
+        live = (over_C > 0) | (over_F > 0)
+        if not live.all():
+            active, C, F, T_C, T_F, over_C, over_F = (
+                a[live] for a in (active, C, F, T_C, T_F, over_C, over_F)
+            )
         if not len(active):
             return active
-        res = (over[:, 1] > over[:, 0]).astype(np.int64)  # 1: NIC-bound, move far pairs
+        res = (over_F > over_C).astype(np.int64)  # 1: NIC-bound, move far pairs
         rows = np.arange(len(active))
-        C, F = self.load_C[active], self.load_F[active]
         own = np.where(res == 1, F.argmax(axis=1), C.argmax(axis=1))  # hot GPU
-        excess = np.where(res == 1, F[rows, own] - self.T_F[active], C[rows, own] - self.T_C[active])
+        excess = np.where(res == 1, F[rows, own] - T_F, C[rows, own] - T_C)
         near, far = self.rem[active, 0, own], self.rem[active, 1, own]  # [A, H]: the hot GPU's experts
-        slack_C = self.T_C[active][:, None] - C
-        slack_F = self.T_F[active][:, None] - F
+        slack_C = T_C[:, None] - C
+        slack_F = T_F[:, None] - F
         # Compute moves take near pairs first, then far pairs up to what keeps the destination's NIC load at or
         # below the node's current maximum; NIC moves take far pairs and may lift the destination's compute up to
         # the node's current maximum. Neither raises the other resource's maximum (max C + kappa max F only falls).
         if self.kappa:
-            nic_room = np.floor(np.maximum(F.max(axis=1, keepdims=True), self.T_F[active][:, None]) - F)
+            nic_room = np.floor(np.maximum(F.max(axis=1, keepdims=True), T_F[:, None]) - F)
         else:
             nic_room = np.full(F.shape, np.inf)
-        room_C = np.maximum(C.max(axis=1, keepdims=True), self.T_C[active][:, None]) - C
+        room_C = np.maximum(C.max(axis=1, keepdims=True), T_C[:, None]) - C
         slack = np.where(res[:, None] == 1, np.minimum(slack_F, room_C), slack_C)  # [A, Q]
         cold = np.where(res[:, None] == 1, F, C)
         key = np.where(res[:, None] == 1, far, near + far)
@@ -219,7 +218,7 @@ def greedy_replicas(
     kappa: float = 0.0,
     max_moves: int = 0,
     num_passes: int = 2,
-    num_relax_rounds: int = 2,
+    num_relax_rounds: int = 1,
 ) -> ReplicaSet:
     """Run the greedy of the module docstring on every problem; near/far_BQH int [B, Q, H] pairs of home experts.
 
