@@ -103,8 +103,10 @@ class _Greedy:
         C, F = self.load_C[active], self.load_F[active]
         T_C, T_F = self.T_C[active], self.T_F[active]
         # How far the hottest GPU is above each target, in compute pairs (0 within eps or when blocked).
-        over_C = np.where(self.blocked[active, 0], 0.0, C.max(axis=1) - T_C * (1 + self.eps))
-        over_F = np.where(self.blocked[active, 1], 0.0, self.kappa * (F.max(axis=1) - T_F * (1 + self.eps)))
+        over_C = np.maximum(C.max(axis=1) - T_C * (1 + self.eps), 0.0)
+        over_F = self.kappa * np.maximum(F.max(axis=1) - T_F * (1 + self.eps), 0.0)  # T_F = inf: kappa is 0
+        over_C[self.blocked[active, 0]] = 0.0
+        over_F[self.blocked[active, 1]] = 0.0
         live = (over_C > 0) | (over_F > 0)
         if not live.all():
             active, C, F, T_C, T_F, over_C, over_F = (
