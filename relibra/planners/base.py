@@ -17,7 +17,16 @@ from relibra.config import RelibraConfig
 from relibra.cost_model import CostModel
 from relibra.plan import IdealPlan, Plan, PlannerState, Topology, home_slots_LGH, static_home_LE
 
-__all__ = ["PlanContext", "PlannerFn", "check_loads", "home_plan", "next_state", "previous_home", "step_rng"]
+__all__ = [
+    "PlanContext",
+    "PlannerFn",
+    "check_loads",
+    "empty_quota_MLGJS",
+    "home_plan",
+    "home_quota_MLGHS",
+    "next_state",
+    "previous_home",
+]
 
 
 @dataclass(frozen=True)
@@ -62,11 +71,6 @@ def next_state(
 ) -> PlannerState:
     history = state.history_LE if history_LE is None else history_LE
     return PlannerState(home_LE=home_LE, history_LE=history, num_steps=state.num_steps + 1)
-
-
-def step_rng(ctx: PlanContext, state: PlannerState) -> np.random.Generator:
-    """A random stream fixed by (config seed, step index): plans are deterministic."""
-    return np.random.default_rng([ctx.config.seed, state.num_steps])
 
 
 def home_quota_MLGHS(loads_MLSE: np.ndarray, slots_LGH: np.ndarray) -> np.ndarray:
