@@ -188,6 +188,11 @@ class RolloutEngine:
     def max_model_len(self) -> int:
         return self.cache.max_model_len
 
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Decoder-layer index of each MoE layer: `routed_experts[:, l]` belongs to layer `moe_layers[l]`."""
+        return tuple(i for i, is_moe in enumerate(self.spec.moe_layers) if is_moe)
+
     # ------------------------------------------------------------------------------------------ weights
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy (hf_name, tensor) pairs into the engine's weights in place (any subset: buckets); returns the
