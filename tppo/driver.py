@@ -87,9 +87,8 @@ def rl_step(
     adv, adv_metrics = advantages(batch, win_values, cfg.algo)
     metrics |= adv_metrics
     policy_in = roles.policy.policy_batches(batch, adv)
-    if roles.planner is not None:
-        with timer("plan"):
-            metrics |= roles.planner.plan(policy_in)
+    if cfg.algo.routing_replay == "r3":
+        metrics |= plan(roles, policy_in, timer)
     finished = [s for s in batch if s.finished]
     if finished:
         with timer("critic_update"):
@@ -102,6 +101,8 @@ def rl_step(
             record = cfg.algo.routing_replay == "r2"
             outs = roles.policy.forward(policy_in, record_routing=record)
             metrics |= fill_old_logprobs(policy_in, outs, record)
+        if record:
+            metrics |= plan(roles, policy_in, timer)
         with timer("policy_update"):
             result = roles.policy.train(policy_in, policy_objective(cfg, policy_in))
             metrics |= _step_metrics("tppo", result)
@@ -111,6 +112,14 @@ def rl_step(
     metrics |= rollout_metrics(batch, outcome.retired, timer.seconds["rollout"]) | timer.metrics()
     metrics |= {f"rollout/pool_{k.split('/', 1)[1]}": v for k, v in outcome.metrics().items()}
     return metrics
+
+
+def plan(roles: Roles, policy_in: list[list[Any]], timer: PhaseTimer) -> dict[str, float]:
+    """ReLibra's plan for the step, from the routing the policy update will replay."""
+    if roles.planner is None:
+        return {}
+    with timer("plan"):
+        return roles.planner.plan(policy_in)
 
 
 def sync_weights(roles: Roles, cfg: ExperimentConfig) -> None:

@@ -18,12 +18,14 @@ import numpy as np
 import torch
 
 from tppo import checkpoint
+from tppo.balance import LoadPlanner
 from tppo.batching import place, split_for_ranks
 from tppo.cluster import ray_session
 from tppo.config import ExperimentConfig, ParallelConfig
 from tppo.driver import Roles, rl_step
 from tppo.metrics import MetricsLogger, progress
 from tppo.pool import Sample, SamplePool
+from tppo.report import summarize, write_plots
 from tppo.roles import RankGroup, RoleError, Trainer, start_trainers, supervised_objective
 from tppo.tasks import Task, build_task
 
@@ -110,6 +112,7 @@ def _save(cfg: ExperimentConfig, roles: Roles, pool: SamplePool, step: int, hist
         "step": step,
         "pool": pool.state_dict(),
         "history": history,
+        "planner": roles.planner.state if roles.planner is not None else None,
         "numpy": np.random.get_state(),
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
@@ -129,6 +132,9 @@ def _resume(cfg: ExperimentConfig, roles: Roles, pool: SamplePool) -> tuple[int,
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
+    if roles.planner is not None and state["planner"] is not None:
+        roles.planner.state = state["planner"]
+        roles.planner.expert_load_LE = state["history"].get("expert_load")
     return state["step"], state["history"]
 
 
@@ -177,6 +183,7 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
                 where = f"the last complete checkpoint is {last}" if last else "no checkpoint was written yet"
                 raise RoleError(f"{err}\n{where}; re-run the same command to resume") from err
             summary = summarize(history)
+            write_plots(out, history, history.get("expert_load"))
             logger.summary(summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -197,6 +204,8 @@ def _loop(
     ):
         metrics = rl_step(step, cfg, pool, roles, task.verifier, task.stop_token_ids)
         _remember(history, metrics)
+        if roles.planner is not None:
+            history["expert_load"] = roles.planner.expert_load_LE
         logger.log(metrics, step=step)
         if (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0) or step + 1 == cfg.run.num_steps:
             _save(cfg, roles, pool, step, history)
@@ -206,11 +215,17 @@ def _start_roles(cfg: ExperimentConfig) -> Roles:
     total = cfg.run.num_steps
     policy = start_trainers("policy", cfg, cfg.parallel, cfg.cluster.policy_ranks, True, total)
     critic = start_trainers("critic", cfg, critic_parallel(cfg), cfg.cluster.critic_ranks, True, total)
-    routing = cfg.algo.routing_replay == "r3"
+    planner = None
+    if cfg.relibra.enabled and cfg.algo.routing_replay != "off":
+        m = cfg.model
+        planner = LoadPlanner(
+            cfg.relibra, m.num_experts, cfg.parallel.expert_parallel, m.moe_topk, cfg.run.seed
+        )
     return Roles(
-        policy=Trainer(policy, cfg.parallel.micro_batch_size, routing),
+        policy=Trainer(policy, cfg.parallel.micro_batch_size, cfg.algo.routing_replay == "r3"),
         critic=Trainer(critic, cfg.parallel.micro_batch_size, False),
         rollout=None,
+        planner=planner,
     )
 
 
@@ -228,23 +243,3 @@ def _remember(history: dict[str, Any], m: dict[str, float]) -> None:
         ("skew_planned", "relibra/skew_planned"),
     ):
         history[key].append(m.get(metric, float("nan")))
-
-
-def summarize(history: dict[str, Any]) -> dict[str, Any]:
-    rewards = np.array(history["reward"], dtype=float)
-    k = max(1, len(rewards) // 5)
-    return {
-        "steps": len(rewards),
-        "reward_first": float(np.nanmean(rewards[:k])) if len(rewards) else float("nan"),
-        "reward_last": float(np.nanmean(rewards[-k:])) if len(rewards) else float("nan"),
-        "truncated_fraction": float(np.nanmean(history["multi_window"]))
-        if history["multi_window"]
-        else float("nan"),
-        "tokens_per_s": float(np.nanmean(history["tokens_per_s"]))
-        if history["tokens_per_s"]
-        else float("nan"),
-        "skew_static": float(np.nanmean(history["skew_static"])) if history["skew_static"] else float("nan"),
-        "skew_planned": float(np.nanmean(history["skew_planned"]))
-        if history["skew_planned"]
-        else float("nan"),
-    }

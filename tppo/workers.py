@@ -62,9 +62,14 @@ class TrainerWorker:
     def ready(self) -> int:
         return self.spec.rank
 
-    def forward(self, batches: Sequence[TrainBatch], with_entropy: bool = False) -> list[ForwardOutput]:
+    def forward(
+        self, batches: Sequence[TrainBatch], with_entropy: bool = False, record_routing: bool = False
+    ) -> list[ForwardOutput]:
         outs = self.engine.forward(
-            list(batches), with_entropy=with_entropy, require_replay=_replayed(batches)
+            list(batches),
+            with_entropy=with_entropy,
+            record_routing=record_routing,
+            require_replay=_replayed(batches),
         )
         return [to_device(o, torch.device("cpu")) for o in outs]
 
