@@ -134,13 +134,21 @@ def ep_parity_worker(
 ) -> dict:
     """One rank of an EP=2 engine (world 2, so data parallel 2): everything the parity test compares."""
     from tppo.config import OptimConfig, ParallelConfig
+    from tppo.engine import convert
     from tppo.engine.batch import TrainBatch
     from tppo.engine.convert import model_config_from_hf
     from tppo.engine.engine import MegatronEngine
 
-    engine = MegatronEngine(
-        model_config_from_hf(ckpt), ParallelConfig(expert_parallel=2), OptimConfig(lr=1e-3, grad_clip=0.0)
-    )
+    read: list[str] = []
+    original_get = convert.HFReader.get
+    convert.HFReader.get = lambda self, name, shape: read.append(name) or original_get(self, name, shape)
+    try:
+        engine = MegatronEngine(
+            model_config_from_hf(ckpt), ParallelConfig(expert_parallel=2), OptimConfig(lr=1e-3, grad_clip=0.0)
+        )
+    finally:
+        convert.HFReader.get = original_get
+    experts_read = sorted({int(n.split(".experts.")[1].split(".")[0]) for n in read if ".experts." in n})
     batch = batches[rank]
     engine.ddp.eval()
     with torch.no_grad():
@@ -170,4 +178,52 @@ def ep_parity_worker(
         grads=grads,
         params=params,
         expert_ids=[list(layer.experts.logical_expert_ids) for layer in engine.moe_layers],
+        experts_read=experts_read,
+    )
+
+
+def hf_gradients(engine) -> dict:
+    """This stage's reduced gradients in Hugging Face names and layout (logical expert order).
+
+    The weights are swapped for their gradients while the exporter runs: every conversion step (TP
+    gathers, q/k/v split, expert gathers) is linear, so it maps gradients exactly as it maps weights.
+    """
+    from tppo.engine.convert import iter_hf_tensors
+
+    saved = {}
+    for name, p in engine.module.named_parameters():
+        saved[name] = p.data
+        p.data = p.main_grad.to(p.dtype)
+    try:
+        return {n: t.clone() for n, t in iter_hf_tensors(engine.built, engine.groups)}
+    finally:
+        for name, p in engine.module.named_parameters():
+            p.data = saved[name]
+
+
+def layout_worker(
+    rank: int, ckpt: str, replica_batches: list, tp: int, pp: int, ep: int, export_dir: str
+) -> dict:
+    """One rank of a TP/PP/EP layout: outputs, loss and HF-layout gradients of its data-parallel replica,
+    after exporting the (untrained) weights back to HF safetensors."""
+    from tppo.config import OptimConfig, ParallelConfig
+    from tppo.engine.convert import model_config_from_hf
+    from tppo.engine.engine import MegatronEngine
+
+    parallel = ParallelConfig(
+        tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, sequence_parallel=tp > 1
+    )
+    engine = MegatronEngine(model_config_from_hf(ckpt), parallel, OptimConfig(lr=1e-3))
+    engine.export_hf(export_dir, dtype=torch.float32, max_shard_bytes=50_000)
+    batches = replica_batches[engine.groups.dp_rank]
+    outs = engine.forward(batches, with_entropy=True, record_routing=True)
+    loss, _ = engine.forward_backward(batches, nll_loss)
+    return dict(
+        dp_rank=engine.groups.dp_rank,
+        pp_rank=engine.groups.pp_rank,
+        loss=loss,
+        logprobs=[o.logprobs_BT for o in outs],
+        entropy=[o.entropy_BT for o in outs],
+        routed=[o.routed_experts_BTLK for o in outs],
+        grads=hf_gradients(engine),
     )

@@ -7,7 +7,14 @@ import os
 
 import pytest
 import torch
-from engine_testing import ep_parity_worker, make_hf_checkpoint, nll_loss, run_ranks
+from engine_testing import (
+    ep_parity_worker,
+    hf_gradients,
+    layout_worker,
+    make_hf_checkpoint,
+    nll_loss,
+    run_ranks,
+)
 from safetensors import safe_open
 
 from tppo.config import OptimConfig, ParallelConfig
@@ -57,6 +64,10 @@ def test_ep2_equals_ep1(tmp_path):
         assert torch.equal(out["replayed_logprobs"], out["logprobs"])  # replay at EP=2 reproduces exactly
         assert torch.equal(out["replayed_entropy"], out["entropy"])
     assert ranks[0]["expert_ids"] == [[0, 1], [0, 1]] and ranks[1]["expert_ids"] == [[2, 3], [2, 3]]
+    assert ranks[0]["experts_read"] == [0, 1] and ranks[1]["experts_read"] == [
+        2,
+        3,
+    ]  # each reads its own only
 
     # Each rank's experts computed exactly the replayed (token, expert) pairs of BOTH ranks, plus the
     # 2 rows x 2 tokens rank 1 was padded with (replayed to experts 0..k-1).
@@ -97,3 +108,37 @@ def test_ep2_round_trip_cli_is_bit_identical(tmp_path):
     before, after = _tensors(ckpt), _tensors(str(tmp_path / "out"))
     assert sorted(before) == sorted(after)
     assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "ep"),
+    [pytest.param(2, 1, 2, id="tp2-sp-ep2"), pytest.param(1, 2, 1, id="pp2", marks=pytest.mark.slow)],
+)
+def test_tensor_and_pipeline_parallel_equal_single_process(tmp_path, tp, pp, ep):
+    """TP=2 with sequence parallelism (and EP=2 over the same ranks), or PP=2 (1F1B over gloo p2p): the same
+    log-probs, entropies, recorded routing, loss and gradients (in HF layout) as one process, and an export
+    bit-identical to the source checkpoint."""
+    ckpt = make_hf_checkpoint(str(tmp_path / "q"), "qwen3_moe", first_k_dense=1, num_layers=4)
+    m = model_config_from_hf(ckpt)
+    g = torch.Generator().manual_seed(1)
+    replicas = [
+        [TrainBatch(input_ids_BT=torch.randint(0, m.vocab_size, (2, 9), generator=g)) for _ in range(2)]
+    ]
+    ranks = run_ranks(layout_worker, 2, ckpt, replicas, tp, pp, ep, str(tmp_path / "export"))
+    ref = MegatronEngine(m, ParallelConfig(), OptimConfig(lr=1e-3))
+    outs = ref.forward(replicas[0], with_entropy=True, record_routing=True)
+    loss, _ = ref.forward_backward(replicas[0], nll_loss)
+    ref_grads = hf_gradients(ref)
+    covered = set()
+    for r in ranks:
+        for i, out in enumerate(outs):
+            torch.testing.assert_close(r["logprobs"][i], out.logprobs_BT, rtol=1e-5, atol=2e-6)
+            torch.testing.assert_close(r["entropy"][i], out.entropy_BT, rtol=1e-5, atol=2e-6)
+            assert torch.equal(r["routed"][i], out.routed_experts_BTLK)
+        assert abs(r["loss"] - loss) < 1e-6
+        for name, grad in r["grads"].items():
+            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6)
+            covered.add(name)
+    assert covered == set(ref_grads)
+    src, exported = _tensors(ckpt), _tensors(str(tmp_path / "export"))
+    assert sorted(src) == sorted(exported) and all(torch.equal(exported[k], v) for k, v in src.items())
