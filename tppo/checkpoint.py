@@ -3,6 +3,7 @@
     <run_dir>/checkpoints/step_000040/        one complete checkpoint
         driver.pt                             pool (with every in-flight response), data position, RNG, step
         policy_rank0.pt, critic_rank0.pt ...  each trainer rank's model + optimizer shard
+        policy_hf/                            the policy as a Hugging Face checkpoint (eval, serving)
         COMPLETE                              written last, before the rename
     <run_dir>/checkpoints/latest              the name of the newest complete checkpoint (replaced atomically)
 
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 COMPLETE = "COMPLETE"
+POLICY_HF = "policy_hf"  # the policy exported as a Hugging Face checkpoint
 LATEST = "latest"
 
 

@@ -40,29 +40,17 @@ def critic_parallel(cfg: ExperimentConfig) -> ParallelConfig:
     return dataclasses.replace(cfg.parallel, tensor_parallel=1, pipeline_parallel=1, expert_parallel=ep)
 
 
-class RolloutHost:
-    """Holds the rollout engine in its own process (built from an HF directory the policy exported)."""
-
-    def __init__(self, hf_dir: str, device: str, config) -> None:
-        torch.set_num_threads(1)
-        from rollout import RolloutEngine
-
-        self.engine = RolloutEngine.from_pretrained(hf_dir, device=device, config=config)
-
-    def generate(self, prompts, params):
-        return self.engine.generate(prompts, params)
-
-    def load_weights(self, named) -> int:
-        return self.engine.load_weights(named)
-
-
 def start_rollout(cfg: ExperimentConfig, hf_dir: Path, remote: bool) -> RankGroup:
-    RolloutWorker = RolloutHost
-    args = (str(hf_dir), "cuda" if cfg.cluster.gpus_per_node else "cpu", cfg.rollout)
+    """The rollout engine in its own process, built from the HF directory the policy exported."""
+    from rollout.worker import RolloutWorker
+
+    device = "cuda" if cfg.cluster.gpus_per_node else "cpu"
+    args = (str(hf_dir), device, cfg.rollout.dtype, cfg.rollout, 1 if device == "cpu" else None)
     if remote:
         import ray
 
-        handle = ray.remote(num_cpus=0.01)(RolloutWorker).remote(*args)
+        gpus = 0.0 if device == "cpu" else (1.0 if cfg.cluster.placement == "separate" else 0.5)
+        handle = ray.remote(num_cpus=0.01, num_gpus=gpus)(RolloutWorker).remote(*args)
     else:
         handle = RolloutWorker(*args)
     return RankGroup("rollout", [handle], remote)
@@ -108,6 +96,8 @@ def _save(cfg: ExperimentConfig, roles: Roles, pool: SamplePool, step: int, hist
     ckpt = checkpoint.begin(run_dir(cfg) / "checkpoints", step)
     for role, trainer in (("policy", roles.policy), ("critic", roles.critic)):
         trainer.ranks.call("save", [(str(ckpt.shard(role, r)),) for r in range(trainer.ranks.size)])
+    # The policy also in Hugging Face form (logical expert order), for evaluation and serving.
+    roles.policy.ranks.call("export_hf", None, str(ckpt.tmp / checkpoint.POLICY_HF))
     state = {
         "step": step,
         "pool": pool.state_dict(),

@@ -162,6 +162,9 @@ class MegatronEngine:
                 f"vocab_size={model_cfg.vocab_size} is not divisible by tensor_parallel={self.groups.tp_size}"
             )
         torch.manual_seed(seed)
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)  # GPU initialisation draws from Megatron's RNG tracker
         self.built: BuiltModel = build_model(
             model_cfg,
             parallel_cfg,
