@@ -6,7 +6,8 @@
 Each variant runs in its own process (one model of ~5 B parameters at a time on the GPU):
 - grouped:            grouped-GEMM experts (torch._grouped_mm), no activation recompute;
 - grouped_recompute:  the same with full-layer activation recompute (peak memory comparison);
-- sequential:         Megatron's SequentialMLP experts (a loop over experts), no recompute;
+- sequential:         Megatron's SequentialMLP experts (a loop over experts), no recompute; one micro-batch
+                      per step and at most 2 timed steps (it is slow);
 - checks:             a small bf16 model: state_dict round trip, offload/onload, packed forward (GPU paths
                       the CPU tests cannot reach).
 

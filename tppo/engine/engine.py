@@ -8,12 +8,15 @@
     engine.export_hf(out_dir); engine.iter_hf_weights(bucket)     # logical expert order
 
 Every rank of the trainer calls the same methods with its own micro-batches (ranks of one data-parallel
-replica, i.e. TP and PP peers, must pass the same ones). Micro-batches run through Megatron's
+replica, i.e. TP and PP peers, must pass the same ones; ranks of one EP group must pass the same NUMBER of
+micro-batches, which the engine checks, and on CPU it pads their shapes to a common one for the allgather
+dispatcher). Micro-batches run through Megatron's
 forward/backward schedule (1F1B with pipeline parallelism); the loss callable sees per-token outputs on
 the last pipeline stage and returns a `LossOutput` whose gradient convention is
 grad(sum loss_sum) / sum denominator over the whole step (Megatron's per-token loss mode).
 
-On GPU: bf16 parameters, Megatron's distributed optimizer (fp32 master weights, Adam) and alltoall token
+Tested on CPU over gloo: EP=2, TP=2 with sequence parallelism (+EP=2), PP=2 (1F1B), each against one
+process. On GPU: bf16 parameters, Megatron's distributed optimizer (fp32 master weights, Adam) and alltoall token
 dispatch. On CPU (tests, CI): fp32, the allgather dispatcher, and torch's AdamW behind the same interface;
 Megatron's DDP accumulates gradients in `param.main_grad`, so the CPU optimizer is handed main_grad
 before every step (otherwise it would silently never move the weights). Gradient clipping, the LR
