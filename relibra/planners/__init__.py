@@ -9,6 +9,10 @@
 - ablations: `reorder_only` (annealing, no replicas), `replicate_only` (static homes + replication),
   `greedy_lpt` (LPT reorder + replication).
 
+Every stage of the ReLibra family is independent per layer, so those planners split the layers into
+`planner_threads` fixed chunks planned on threads (NumPy releases the GIL in its kernels); chunk k draws from the
+random stream (seed, step, k), so plans depend on the seed and the thread count only.
+
 Legend: M micro-batches, L layers, S source ranks, E experts.
 """
 
