@@ -71,8 +71,8 @@ def warm_start_response(n: int, rng: np.random.Generator, p_two: float = 0.5) ->
 def score(prompt: list[int] | np.ndarray, response: list[int] | np.ndarray) -> float:
     """2 * valid / (n + 1) - 1 over the transitions of the response.
 
-    A number is a valid transition when it is one below the token before it (the prompt's n for the first)
-    and has not appeared yet; EOS is valid right after 0 and ends the response. So at most n + 1 transitions
+    A number is a valid transition when it is one below the token before it (the prompt's n for the first),
+    below n, and has not appeared yet; EOS is valid right after 0 and ends the response. So at most n + 1 transitions
     are valid, only the exact countdown scores +1, and a slip costs one transition, not the rest of the answer.
     """
     n = start_of(prompt)
@@ -82,7 +82,8 @@ def score(prompt: list[int] | np.ndarray, response: list[int] | np.ndarray) -> f
             valid += prev == 0
             break
         if 0 <= tok < MAX_NUMBER:
-            valid += tok == prev - 1 and tok not in seen
+            # Only numbers below n count, each once: jumping back up to count down again earns nothing.
+            valid += tok == prev - 1 and tok < n and tok not in seen
             seen.add(tok)
             prev = tok
     return 2.0 * valid / (n + 1) - 1.0

@@ -131,5 +131,11 @@ def test_countdown_verifier():
     assert synthetic.score(p, [synthetic.EOS]) == -1.0
     assert synthetic.score(p, [4, 2, 1, 0, synthetic.EOS]) == pytest.approx(2 * 4 / 6 - 1)
     assert synthetic.score(p, [4, 3, 4, 3, 2, 1, 0, synthetic.EOS]) == 1.0 - 0.0  # repeats earn nothing extra
+    # A policy found this once: count down, jump back up, count down again. It must not beat the answer.
+    assert synthetic.score(p, [4, 3, 2, 1, 0, 59, 58, 57, 3, 2, 1, 0, synthetic.EOS]) == pytest.approx(2 * 5 / 6 - 1)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        response = rng.integers(0, synthetic.VOCAB_SIZE, size=rng.integers(1, 64))
+        assert -1.0 <= synthetic.score(p, response) <= 1.0
     with pytest.raises(ValueError, match="not a countdown prompt"):
         synthetic.score([1, 2], [3])
