@@ -72,20 +72,21 @@ def score(prompt: list[int] | np.ndarray, response: list[int] | np.ndarray) -> f
     """2 * valid / (n + 1) - 1 over the transitions of the response.
 
     A number is a valid transition when it is one below the token before it (the prompt's n for the first),
-    below n, and has not appeared yet; EOS is valid right after 0 and ends the response. So at most n + 1 transitions
-    are valid, only the exact countdown scores +1, and a slip costs one transition, not the rest of the answer.
+    below n, and has not appeared yet; EOS is valid when it follows 0 in a response without any invalid token.
+    So at most n + 1 transitions are valid, only the exact countdown scores +1, a slip costs one transition
+    plus the final EOS credit, and jumping back up to count down again earns nothing.
     """
     n = start_of(prompt)
-    prev, valid, seen = n, 0, set()
+    prev, valid, clean, seen = n, 0, True, set()
     for tok in (int(t) for t in response):
         if tok == EOS:
-            valid += prev == 0
+            valid += prev == 0 and clean
             break
-        if 0 <= tok < MAX_NUMBER:
-            # Only numbers below n count, each once: jumping back up to count down again earns nothing.
-            valid += tok == prev - 1 and tok < n and tok not in seen
-            seen.add(tok)
-            prev = tok
+        ok = 0 <= tok < n and tok == prev - 1 and tok not in seen
+        valid += ok
+        clean = clean and ok
+        seen.add(tok)
+        prev = tok
     return 2.0 * valid / (n + 1) - 1.0
 
 

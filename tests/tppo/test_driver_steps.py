@@ -129,10 +129,12 @@ def test_countdown_verifier():
     p = synthetic.prompt_ids(n)
     assert synthetic.score(p, synthetic.reference_response(n)) == 1.0
     assert synthetic.score(p, [synthetic.EOS]) == -1.0
-    assert synthetic.score(p, [4, 2, 1, 0, synthetic.EOS]) == pytest.approx(2 * 4 / 6 - 1)
-    assert synthetic.score(p, [4, 3, 4, 3, 2, 1, 0, synthetic.EOS]) == 1.0 - 0.0  # repeats earn nothing extra
+    assert synthetic.score(p, [4, 2, 1, 0, synthetic.EOS]) == pytest.approx(2 * 3 / 6 - 1)
+    assert synthetic.score(p, [4, 3, 4, 3, 2, 1, 0, synthetic.EOS]) == pytest.approx(2 * 5 / 6 - 1)  # repeats
     # A policy found this once: count down, jump back up, count down again. It must not beat the answer.
-    assert synthetic.score(p, [4, 3, 2, 1, 0, 59, 58, 57, 3, 2, 1, 0, synthetic.EOS]) == pytest.approx(2 * 5 / 6 - 1)
+    assert synthetic.score(p, [4, 3, 2, 1, 0, 59, 58, 57, 3, 2, 1, 0, synthetic.EOS]) == pytest.approx(
+        2 * 5 / 6 - 1
+    )
     rng = np.random.default_rng(0)
     for _ in range(200):
         response = rng.integers(0, synthetic.VOCAB_SIZE, size=rng.integers(1, 64))
