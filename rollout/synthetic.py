@@ -74,9 +74,12 @@ def score(prompt: list[int] | np.ndarray, response: list[int] | np.ndarray) -> f
     A number is a valid transition when it is one below the token before it (the prompt's n for the first),
     below n, and has not appeared yet; EOS is valid when it follows 0 in a response without any invalid token.
     So at most n + 1 transitions are valid, only the exact countdown scores +1, a slip costs one transition
-    plus the final EOS credit, and jumping back up to count down again earns nothing.
+    plus the final EOS credit, and jumping back up to count down again earns nothing. A response that never
+    ends (cut at the maximum length) scores -1.
     """
     n = start_of(prompt)
+    if EOS not in (int(t) for t in response):
+        return -1.0  # cut at the maximum length: not an answer (specs/tppo.md: usually -1)
     prev, valid, clean, seen = n, 0, True, set()
     for tok in (int(t) for t in response):
         if tok == EOS:
