@@ -337,24 +337,30 @@ def split_quota_MLGJS(
     local = np.where(valid, np.minimum(demand[rows, src], groups.near_XI), 0)
     demand[rows, src] -= local
     demand = demand[:, :S]
-    # One north-west pass: far sources fill the far shares, then near sources the near ones (the totals match).
+    # North-west passes: far sources fill the far shares, then near sources the near ones (the totals match).
     node_S = topo.node_of_gpu()
     order_ZS = np.argsort(
         node_S[None, :] == np.arange(Z)[:, None], axis=1, kind="stable"
     )  # far sources first
     order = order_ZS[gz]
-    width = valid.shape[1]
-    x, s_sorted, k, pairs = northwest_segments(
-        np.take_along_axis(demand, order, axis=1),
-        np.concatenate([groups.far_XI, groups.near_XI - local], axis=1),
-    )
-    # Clear the home rows (they held every pair), set the segments (a source is far or near, so (x, s, instance)
-    # is unique), then add the local pairs.
-    quota[gm, gl, gpu_XI[:, 0], groups.slot_XI[:, 0]] = 0
-    i = k % width
-    quota[gm[x], gl[x], gpu_XI[x, i], groups.slot_XI[x, i], order[x, s_sorted]] = pairs
+    J = H + R
+    base_XI = (
+        (gm[:, None] * L + gl[:, None]) * G + np.maximum(gpu_XI, 0)
+    ) * J + groups.slot_XI  # (m, l, g, j)
+    flat = quota.reshape(-1, S)
+    flat[base_XI[:, 0]] = 0  # the home rows held every pair of the expert
+    size_X = valid.sum(axis=1)
+    shares = np.take_along_axis(demand, order, axis=1)
+    near_left = groups.near_XI - local
+    for n in np.unique(size_X):  # rows with n instances: no padded capacities in the merge
+        sel = np.flatnonzero(size_X == n)
+        x, s_sorted, k, pairs = northwest_segments(
+            shares[sel], np.concatenate([groups.far_XI[sel, :n], near_left[sel, :n]], axis=1)
+        )
+        x = sel[x]  # a source is far or near, so (x, s, instance) is unique: plain assignment
+        flat.reshape(-1)[base_XI[x, k % n] * S + order[x, s_sorted]] = pairs
     xi, ij = np.nonzero(valid & (local > 0))
-    quota[gm[xi], gl[xi], gpu_XI[xi, ij], groups.slot_XI[xi, ij], gpu_XI[xi, ij]] += local[xi, ij]
+    flat.reshape(-1)[base_XI[xi, ij] * S + gpu_XI[xi, ij]] += local[xi, ij]
     return slots, quota
 
 
