@@ -1,0 +1,97 @@
+"""Point-to-point traffic of the executor over an explicitly passed EP process group.
+
+- `push_replicas(w1_home, w2_home, exchange, group)`: an autograd function. Forward: every owner sends the
+  weights of its replicated experts, every holder receives them into its R replica slots (empty slots hold
+  zeros and get no tokens). Backward: every holder sends the replica gradients back, every owner adds them
+  into the gradient of its home slots in (holder rank, replica slot) order, a fixed order, so the result is
+  deterministic. The fold therefore goes through autograd into the owner's `param.grad` / `main_grad`
+  BEFORE Megatron's finalize_model_grads hands expert gradients to the data-parallel reduction. Activation
+  recompute would re-run the forward and so re-push the weights (the executor refuses recompute for now).
+- `move_slots(tensor_J, moves, group)`: in-place permutation of a stacked slot tensor's rows across ranks
+  (expert migration); used for weights and for every optimizer state tensor shaped like them.
+
+Departure from the paper: the push runs when the layer's experts compute (not overlapped with attention),
+and the fold runs inside the layer's backward (not overlapped with attention backward).
+
+Legend: H home slots, R replica slots, F expert FFN size, D hidden size, J slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from relibra.executor.tables import MigrationMoves, ReplicaExchange
+
+__all__ = ["move_slots", "p2p", "push_replicas"]
+
+
+def p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group) -> None:
+    """Post every send (tensor, peer EP rank) and receive (buffer, peer EP rank) of `group` at once and wait."""
+    ops = [
+        dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(group, peer), group) for t, peer in sends
+    ]
+    ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group) for t, peer in recvs]
+    if not ops:
+        return
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+
+
+class _PushReplicas(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w1_home, w2_home, exchange: ReplicaExchange, num_replicas: int, group):
+        ctx.exchange, ctx.group = exchange, group
+        ctx.home_shapes = (w1_home.shape, w2_home.shape)
+        w1_rep = w1_home.new_zeros(num_replicas, *w1_home.shape[1:])
+        w2_rep = w2_home.new_zeros(num_replicas, *w2_home.shape[1:])
+        sends = [(w[j], peer) for peer, j in exchange.sends for w in (w1_home, w2_home)]
+        recvs = [(w[r], peer) for peer, r in exchange.recvs for w in (w1_rep, w2_rep)]
+        p2p(sends, recvs, group)
+        return w1_rep, w2_rep
+
+    @staticmethod
+    def backward(ctx, g1_rep, g2_rep):
+        ex = ctx.exchange
+        s1, s2 = ctx.home_shapes
+        g1_rep = g1_rep if g1_rep is not None else torch.zeros(0)
+        g2_rep = g2_rep if g2_rep is not None else torch.zeros(0)
+        ref = g1_rep if g1_rep.numel() else g2_rep
+        # Holders send back what their replica slots received; owners collect one buffer per replica.
+        bufs = [(ref.new_empty(s1[1:]), ref.new_empty(s2[1:])) for _ in ex.sends]
+        sends = []
+        for peer, r in ex.recvs:
+            sends += [(_or_zeros(g1_rep, r, s1), peer), (_or_zeros(g2_rep, r, s2), peer)]
+        recvs = [(b, peer) for (peer, _), pair in zip(ex.sends, bufs, strict=True) for b in pair]
+        p2p(sends, recvs, ctx.group)
+        if not ex.sends:
+            return None, None, None, None, None
+        grad1, grad2 = ref.new_zeros(s1), ref.new_zeros(s2)
+        for (_peer, j), (b1, b2) in zip(ex.sends, bufs, strict=True):  # (holder, replica slot) order
+            grad1[j] += b1
+            grad2[j] += b2
+        return grad1, grad2, None, None, None
+
+
+def _or_zeros(grad_R: torch.Tensor, r: int, shape: torch.Size) -> torch.Tensor:
+    return grad_R[r] if grad_R.numel() else torch.zeros(shape[1:])
+
+
+def push_replicas(
+    w1_home: torch.Tensor, w2_home: torch.Tensor, exchange: ReplicaExchange, num_replicas: int, group
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W1 [R, 2F, D], W2 [R, D, F]) of this rank's replica slots; collective over `group` (every rank calls it)."""
+    return _PushReplicas.apply(w1_home, w2_home, exchange, num_replicas, group)
+
+
+@torch.no_grad()
+def move_slots(tensor_J: torch.Tensor, moves: MigrationMoves, group) -> int:
+    """Rewrite the slot rows of `tensor_J` in place as `moves` says; collective over `group`. Returns bytes sent."""
+    new = torch.empty_like(tensor_J)
+    for j, jo in moves.local:
+        new[j] = tensor_J[jo]
+    sends = [(tensor_J[jo], peer) for peer, jo in moves.sends]
+    recvs = [(new[j], peer) for peer, j in moves.recvs]
+    p2p(sends, [(buf, peer) for buf, peer in recvs], group)
+    tensor_J.copy_(new)
+    return sum(t.numel() * t.element_size() for t, _ in sends)

@@ -1,0 +1,379 @@
+"""`ExpertExecutor`: applies ReLibra plans to the MoE layers of a `tppo.engine.engine.MegatronEngine`.
+
+Slot layout. Every EP rank g holds H = E / EP home slots (the stacked `GroupedExperts.weight1/weight2`
+parameters with their optimizer state; `logical_expert_ids` says which logical expert each holds, ascending)
+and, while a plan with replicas runs, R replica slots (a buffer without optimizer state, rewritten for every
+(micro-batch, layer)). Megatron's token dispatcher sees P = EP * J physical experts, J = H + R, physical id
+p = g * J + j; the executor builds one dispatcher per layer for that layout and swaps it in for the step.
+
+Per step (`step(plan, loads_MLSE)` or `begin_step` / `end_step` around `engine.train_step`):
+1. check the plan (relibra.validate plus the engine's layer and micro-batch counts) and that every rank of the
+   EP group holds the same plan, before any tensor moves: a bad plan raises PlanError on every rank;
+2. reorder: migrate experts to the plan's `home_LE` by swapping slot contents between ranks (weights and the
+   optimizer state tensors shaped like them: AdamW's exp_avg / exp_avg_sq; parameter objects, gradient
+   buffers and optimizer state objects stay where they are);
+3. for every micro-batch m (counted by a forward pre-hook on the decoder) and layer: reroute the router's
+   logical top-k to physical slots following the plan's quotas for this rank's tokens
+   (relibra.executor.reroute), push replica weights from their owners (relibra.executor.comm), compute home +
+   replica slots in one grouped GEMM, and fold replica gradients into the owners' gradients in the backward.
+Between steps the placement stays: routing maps every logical expert to its home slot (a column permutation,
+skipped entirely under Megatron's static placement, so the static path is untouched).
+
+Checkpoints and HF export follow `logical_expert_ids`, so they come out in logical order whatever the placement;
+`load_checkpoint` loads an engine checkpoint saved under another placement.
+
+Limits (raised, not silently wrong): activation recompute (the micro-batch counter would not see the recompute
+pass); migration with Megatron's distributed optimizer (its fp32 master weights and moments live in sharded
+flat buffers; only torch optimizers whose state tensors have the parameter's shape are moved); plans must be
+the same on every rank of the EP group; the expert-data-parallel copies of the EP group must get the same
+`home_LE` (checked).
+
+Legend: M micro-batches, L MoE layers (of the plan; `layers` are this stage's), E logical experts, G EP ranks,
+J slots per rank, H home slots, R replica slots, P physical slots, N tokens seen by a router.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from relibra.executor.comm import move_slots, push_replicas
+from relibra.executor.reroute import permute_routing, reroute_routing
+from relibra.executor.tables import (
+    ReplicaExchange,
+    check_plan,
+    migration_moves,
+    replica_exchanges,
+    reroute_tables,
+)
+from relibra.plan import Plan, Topology, home_slots_LGH
+from relibra.validate import PlanError
+
+__all__ = ["ExecutorStep", "ExpertExecutor", "MigrationStats"]
+
+
+@dataclass
+class MigrationStats:
+    """What one reorder moved on this rank: experts received from other ranks and bytes sent."""
+
+    num_experts_in: int = 0
+    bytes_sent: int = 0
+
+
+@dataclass
+class ExecutorStep:
+    """The per-step state of an applied plan on this rank."""
+
+    plan: Plan
+    inst_MLEI: torch.Tensor
+    cum_MLEI: torch.Tensor
+    exchanges: list[list[ReplicaExchange]]
+    migration: MigrationStats
+    apply_s: float
+    microbatch: int = -1
+    pushes: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class ExpertExecutor:
+    """Applies plans to `engine`'s MoE layers; process groups come from `engine.groups` (EP and expert-DP)."""
+
+    def __init__(self, engine, *, num_replica_slots: int = 0, gpus_per_node: int = 8) -> None:
+        groups = engine.groups
+        self.engine = engine
+        self.group, self.rank = groups.ep, groups.ep_rank
+        self.expt_dp = groups.expt_dp
+        self.device = groups.device
+        if engine.config.recompute_granularity is not None:
+            raise ValueError(
+                "the ReLibra executor does not support activation recompute yet (parallel.recompute)"
+            )
+        self.layers = list(engine.moe_layers)
+        for layer in self.layers:
+            if not hasattr(layer.experts, "logical_expert_ids"):
+                raise ValueError("the ReLibra executor needs GroupedExperts (engine experts='grouped')")
+        self.layer_ids = list(engine.replay.moe_layer_ids)  # plan layer of each local MoE layer
+        self.num_plan_layers = engine.num_moe_layers
+        self.topo = Topology(
+            num_gpus=groups.ep_size,
+            gpus_per_node=gpus_per_node,
+            num_experts=engine.model_cfg.num_experts,
+            num_replica_slots=num_replica_slots,
+        )
+        self.slots_LGH = self._gather_slots()
+        self._static = self._is_static()
+        self._log_of_phys = [self._home_permutation(li) for li in range(len(self.layers))]
+        self._home_dispatchers = [layer.token_dispatcher for layer in self.layers]
+        self._slot_dispatchers: list | None = None
+        self._step: ExecutorStep | None = None
+        for li, layer in enumerate(self.layers):
+            layer.route_hook = self._route_hook(li)
+        self._hook = engine.module.decoder.register_forward_pre_hook(self._next_microbatch)
+
+    # ----------------------------------------------------------------- placement
+    def _gather_slots(self) -> np.ndarray:
+        """int [L_local, G, H]: the logical experts every rank's home slots hold, from `logical_expert_ids`."""
+        ids = torch.tensor(
+            [layer.experts.logical_expert_ids for layer in self.layers], dtype=torch.long, device=self.device
+        )
+        parts = [torch.empty_like(ids) for _ in range(self.topo.num_gpus)]
+        dist.all_gather(parts, ids, group=self.group)
+        return torch.stack(parts, dim=1).cpu().numpy()
+
+    def _is_static(self) -> bool:
+        G, H = self.topo.num_gpus, self.topo.num_home_slots
+        static_GH = np.arange(G * H).reshape(G, H)
+        return bool((self.slots_LGH == static_GH[None]).all())
+
+    def _home_permutation(self, li: int) -> torch.Tensor:
+        return torch.as_tensor(self.slots_LGH[li].reshape(-1), dtype=torch.long, device=self.device)
+
+    @property
+    def home_LE(self) -> np.ndarray:
+        """int [L_local, E]: the EP rank owning every logical expert of this stage's MoE layers."""
+        L, G, H = self.slots_LGH.shape
+        home = np.empty((L, G * H), dtype=np.int64)
+        for li in range(L):
+            home[li, self.slots_LGH[li].reshape(-1)] = np.repeat(np.arange(G), H)
+        return home
+
+    # ----------------------------------------------------------------- hooks
+    def _next_microbatch(self, module, args) -> None:
+        if self._step is not None:
+            self._step.microbatch += 1
+            if self._step.microbatch >= self._step.plan.num_microbatches:
+                raise ValueError(
+                    f"the plan covers {self._step.plan.num_microbatches} micro-batches; the step runs more"
+                )
+
+    def _route_hook(self, li: int):
+        def hook(layer, probs_NE: torch.Tensor, routing_map_NE: torch.Tensor):
+            step = self._step
+            if step is None:
+                if self._static:
+                    return probs_NE, routing_map_NE
+                return permute_routing(probs_NE, routing_map_NE, self._log_of_phys[li])
+            m = step.microbatch
+            num_phys = self.topo.num_gpus * self.topo.num_slots
+            return reroute_routing(
+                probs_NE, routing_map_NE, step.inst_MLEI[m, li], step.cum_MLEI[m, li], num_phys
+            )
+
+        return hook
+
+    def _weight_provider(self, li: int):
+        def provide(experts) -> tuple[torch.Tensor, torch.Tensor]:
+            step = self._step
+            w1, w2 = experts.weight1, experts.weight2
+            if step is None:
+                return w1, w2
+            exchange = step.exchanges[step.microbatch][li]
+            step.pushes += len(exchange.recvs)
+            r1, r2 = push_replicas(w1, w2, exchange, self.topo.num_replica_slots, self.group)
+            return torch.cat([w1, r1]), torch.cat([w2, r2])
+
+        return provide
+
+    def _build_slot_dispatchers(self) -> list:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        J = self.topo.num_slots
+        out = []
+        for layer, home in zip(self.layers, self._home_dispatchers, strict=True):
+            config = copy.copy(layer.config)
+            config.num_moe_experts = self.topo.num_gpus * J
+            pgs = ProcessGroupCollection(ep=home.ep_group, expt_tp=home.tp_group, tp_ep=home.tp_ep_group)
+            indices = [self.rank * J + j for j in range(J)]
+            out.append(type(home)(J, indices, config=config, pg_collection=pgs))
+        return out
+
+    # ----------------------------------------------------------------- plans
+    def check(self, plan: Plan, loads_MLSE: np.ndarray, num_microbatches: int | None = None) -> None:
+        """Raise PlanError on EVERY rank of the EP group (and its expert-DP copies) unless all can apply `plan`.
+
+        Collective; nothing moves. The ranks agree on the outcome, so a bad plan never leaves some ranks waiting
+        in a migration the others refused.
+        """
+        error = None
+        try:
+            check_plan(
+                plan,
+                loads_MLSE,
+                self.topo,
+                num_layers=self.num_plan_layers,
+                num_microbatches=num_microbatches,
+            )
+        except PlanError as err:
+            error = str(err)
+        digest = _digest(plan) if error is None else 0
+        home_digest = _digest_home(plan) if error is None else 0
+        table = torch.tensor(
+            [float(error is not None), digest, -digest, home_digest, -home_digest], dtype=torch.float64
+        ).to(self.device)
+        dist.all_reduce(table, op=dist.ReduceOp.MAX, group=self.group)
+        if self.expt_dp is not None and dist.get_world_size(self.expt_dp) > 1:
+            only_home = table.clone()
+            only_home[1:3] = 0
+            dist.all_reduce(only_home, op=dist.ReduceOp.MAX, group=self.expt_dp)
+            table = torch.maximum(table, only_home)
+        if error is not None:
+            raise PlanError(error)
+        if table[0] > 0:
+            raise PlanError("another rank of the EP group refused the plan (see its error)")
+        if table[1] != -table[2]:
+            raise PlanError("the ranks of the EP group were given different plans")
+        if table[3] != -table[4]:
+            raise PlanError("the expert-data-parallel copies of the EP group were given different home_LE")
+
+    def begin_step(
+        self, plan: Plan, loads_MLSE: np.ndarray, num_microbatches: int | None = None
+    ) -> ExecutorStep:
+        """Check `plan`, migrate experts to its placement, and route the next step's micro-batches by it."""
+        if self._step is not None:
+            raise RuntimeError("a plan is already applied: call end_step() first")
+        start = time.perf_counter()
+        self.check(plan, loads_MLSE, num_microbatches)
+        migration = self.migrate(plan.home_LE[self.layer_ids])
+        inst, cum = reroute_tables(plan, self.topo, self.rank, self.layer_ids)
+        step = ExecutorStep(
+            plan=plan,
+            inst_MLEI=torch.as_tensor(inst, device=self.device),
+            cum_MLEI=torch.as_tensor(cum, device=self.device),
+            exchanges=replica_exchanges(plan, self.topo, self.rank, self.layer_ids),
+            migration=migration,
+            apply_s=0.0,
+        )
+        if self.topo.num_replica_slots > 0:
+            if self._slot_dispatchers is None:
+                self._slot_dispatchers = self._build_slot_dispatchers()
+            for li, layer in enumerate(self.layers):
+                layer.token_dispatcher = self._slot_dispatchers[li]
+                layer.experts.weight_provider = self._weight_provider(li)
+        step.apply_s = time.perf_counter() - start
+        self._step = step
+        return step
+
+    def end_step(self) -> dict[str, float]:
+        """Stop routing by the plan (the placement stays); return the step's metrics (`relibra/exec_*`)."""
+        step, self._step = self._step, None
+        for layer, home in zip(self.layers, self._home_dispatchers, strict=True):
+            layer.token_dispatcher = home
+            layer.experts.weight_provider = None
+        if step is None:
+            return {}
+        ran = step.microbatch + 1
+        if ran not in (0, step.plan.num_microbatches):
+            raise ValueError(
+                f"the plan covers {step.plan.num_microbatches} micro-batches; the step ran {ran}"
+            )
+        H = self.topo.num_home_slots
+        replicas = step.plan.slots_MLGJ[:, self.layer_ids, :, H:]
+        return {
+            "relibra/exec_apply_s": step.apply_s,
+            "relibra/exec_migrated_experts": float(step.migration.num_experts_in),
+            "relibra/exec_migration_bytes": float(step.migration.bytes_sent),
+            "relibra/exec_replica_pushes": float(step.pushes),
+            "relibra/exec_replicas_per_mb_layer": float((replicas >= 0).sum(axis=(2, 3)).mean()),
+        }
+
+    @contextmanager
+    def step(
+        self, plan: Plan, loads_MLSE: np.ndarray, num_microbatches: int | None = None
+    ) -> Iterator[ExecutorStep]:
+        """`with executor.step(plan, loads): engine.train_step(...)`; the metrics land in `step.extra`."""
+        state = self.begin_step(plan, loads_MLSE, num_microbatches)
+        try:
+            yield state
+        finally:
+            state.extra.update(self.end_step())
+
+    # ----------------------------------------------------------------- migration
+    def migrate(self, home_LE: np.ndarray) -> MigrationStats:
+        """Move experts so that rank g owns the experts home_LE[l] assigns to g (rows: this stage's layers).
+
+        Collective over the EP group. Call between optimizer steps (gradients are not moved).
+        """
+        new_LGH = home_slots_LGH(np.asarray(home_LE), self.topo)
+        return self.migrate_slots(new_LGH)
+
+    def migrate_slots(self, new_LGH: np.ndarray) -> MigrationStats:
+        """Move slot contents to new_LGH[l, g, j] (logical ids, any order inside a rank)."""
+        new_LGH = np.asarray(new_LGH)
+        if new_LGH.shape != self.slots_LGH.shape:
+            raise ValueError(f"new placement has shape {new_LGH.shape}, expected {self.slots_LGH.shape}")
+        stats = MigrationStats()
+        changed = [li for li in range(len(self.layers)) if (new_LGH[li] != self.slots_LGH[li]).any()]
+        if changed and self.engine.megatron_optimizer:
+            raise NotImplementedError(
+                "expert migration with Megatron's distributed optimizer is not implemented (use optimizer='torch')"
+            )
+        for li in changed:
+            moves = migration_moves(self.slots_LGH[li], new_LGH[li], self.rank)
+            experts = self.layers[li].experts
+            for tensor in self._slot_tensors(experts):
+                stats.bytes_sent += move_slots(tensor, moves, self.group)
+            stats.num_experts_in += len(moves.recvs)
+            experts.logical_expert_ids = [int(e) for e in new_LGH[li, self.rank]]
+            self.slots_LGH[li] = new_LGH[li]
+            self._log_of_phys[li] = self._home_permutation(li)
+        self._static = self._is_static()
+        return stats
+
+    def _slot_tensors(self, experts) -> list[torch.Tensor]:
+        """Every tensor whose rows are the expert slots: the weights and their optimizer state (same shape)."""
+        tensors = []
+        for param in (experts.weight1, experts.weight2):
+            tensors.append(param.data)
+            state = self.engine.optimizer.state.get(param, {}) if not self.engine.megatron_optimizer else {}
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.shape == param.shape]
+        return tensors
+
+    # ----------------------------------------------------------------- checkpoints
+    def load_checkpoint(self, state_dict: dict) -> None:
+        """Load an engine checkpoint saved under any placement into the engine under its current placement.
+
+        Collective over the EP group: migrates to the checkpoint's placement, loads, migrates back.
+        """
+        saved = state_dict["expert_placement"]
+        ids = torch.tensor([saved[k] for k in sorted(saved, key=int)], dtype=torch.long, device=self.device)
+        parts = [torch.empty_like(ids) for _ in range(self.topo.num_gpus)]
+        dist.all_gather(parts, ids, group=self.group)
+        saved_LGH = torch.stack(parts, dim=1).cpu().numpy()
+        target = self.slots_LGH.copy()
+        self.migrate_slots(saved_LGH)
+        self.engine.load_state_dict(state_dict)
+        self.migrate_slots(target)
+
+    def detach(self) -> None:
+        """Remove the hooks (the placement stays in `logical_expert_ids`; routing falls back to Megatron's)."""
+        if self._step is not None:
+            self.end_step()
+        if not self._static:
+            raise RuntimeError(
+                "detach under a non-static placement would route to the wrong experts: migrate back"
+            )
+        for layer in self.layers:
+            layer.route_hook = None
+        self._hook.remove()
+
+
+def _digest(plan: Plan) -> float:
+    h = hashlib.sha256()
+    for a in (plan.home_LE, plan.slots_MLGJ, plan.quota_MLGJS):
+        arr = np.ascontiguousarray(np.asarray(a, dtype=np.int64))
+        h.update(str(arr.shape).encode())
+        h.update(arr.tobytes())
+    return float(int.from_bytes(h.digest()[:6], "little"))
+
+
+def _digest_home(plan: Plan) -> float:
+    h = hashlib.sha256(np.ascontiguousarray(np.asarray(plan.home_LE, dtype=np.int64)).tobytes())
+    return float(int.from_bytes(h.digest()[:6], "little"))

@@ -1,0 +1,123 @@
+"""ReLibra's executor on a real Megatron-Core engine, EP=2 over gloo: any valid plan (reorders, replicas) gives the
+same losses, gradients and weights in logical order as the static placement; an empty plan is bit-identical;
+checkpoints load across placements; bad plans are refused before anything moves."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tppo" / "engine"))
+
+import test_executor_workers as W
+from engine_testing import run_ranks
+
+from relibra.plan import Plan, Topology, static_home_LE
+from relibra.planners.base import home_plan
+
+pytestmark = [
+    pytest.mark.dist,
+    pytest.mark.timeout(400),
+    pytest.mark.filterwarnings("ignore:.*(Transformer Engine|Apex).*:UserWarning"),
+]
+
+EP, NUM_MB, NUM_STEPS = 2, 2, 2
+LR = 1e-2  # test_executor_workers._engine
+
+
+def _setup(replicas: int, seed: int, *, reorder: bool = True):
+    topo = Topology(
+        num_gpus=EP, gpus_per_node=EP, num_experts=W.TINY["num_experts"], num_replica_slots=replicas
+    )
+    rng = np.random.default_rng(seed)
+    batches = [W.make_batches(EP, NUM_MB, seed=100 * seed + s) for s in range(NUM_STEPS)]
+    loads = [W.loads_of(b, topo.num_experts) for b in batches]
+    if reorder:
+        plans = [W.random_plan(d, topo, rng, replicas=replicas > 0) for d in loads]
+    else:
+        plans = [home_plan(d, static_home_LE(d.shape[1], topo), topo) for d in loads]
+    return topo, batches, loads, plans
+
+
+def _close(a: dict, b: dict, rtol=1e-5, atol=1e-6):
+    assert sorted(a) == sorted(b)
+    for name in a:
+        torch.testing.assert_close(
+            a[name], b[name], rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+@pytest.mark.parametrize("replicas", [pytest.param(0, id="reorder"), pytest.param(1, id="reorder+replicas")])
+def test_any_plan_equals_static(replicas):
+    topo, batches, loads, plans = _setup(replicas, seed=1 + replicas)
+    if replicas:
+        assert sum((p.slots_MLGJ[..., topo.num_home_slots :] >= 0).sum() for p in plans) > 0
+    assert any((p.home_LE != static_home_LE(p.num_layers, topo)).any() for p in plans)
+    ranks = run_ranks(W.invariance_worker, EP, batches, plans, loads, replicas, EP, timeout_s=300)
+    for rank, out in enumerate(ranks):
+        ref, got = out["ref"], out["got"]
+        np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-6)
+        for step in range(NUM_STEPS):
+            _close(got["grads"][step], ref["grads"][step])
+            # The dispatcher gave every slot exactly the pairs the plan's quotas say (both ranks' tokens).
+            served = plans[step].served_MLGJ()
+            for i, counts in enumerate(got["counts"][step]):
+                m, layer = divmod(i, W.TINY["num_layers"])
+                assert counts.tolist() == served[m, layer, rank].tolist()
+            metrics = got["metrics"][step]
+            assert metrics["relibra/exec_migrated_experts"] >= 0
+            if replicas:
+                want = (plans[step].slots_MLGJ[:, :, rank, topo.num_home_slots :] >= 0).sum()
+                assert metrics["relibra/exec_replica_pushes"] == want
+        # Adam turns 1e-7 gradient differences of near-zero gradients into up to ~lr-sized steps: 1% of lr.
+        _close(got["weights"], ref["weights"], atol=LR / 100)  # export path: HF names, logical order
+        want_ids = plans[-1].slots_MLGJ[0, :, rank, : topo.num_home_slots].tolist()
+        assert out["placement"] == want_ids
+        # Checkpoint saved under the reordered placement, loaded under the static one.
+        assert out["fresh_placement"] == [list(range(4 * rank, 4 * rank + 4))] * 2
+        _close(out["loaded"], got["weights"], rtol=0, atol=0)
+        _close(out["after_loaded"], out["after_engine"], atol=LR / 100)
+
+
+def test_static_plan_is_bit_identical():
+    _topo, batches, loads, plans = _setup(0, seed=7, reorder=False)
+    (out0, out1) = run_ranks(W.invariance_worker, EP, batches, plans, loads, 0, EP, timeout_s=300)
+    for out in (out0, out1):
+        assert out["got"]["losses"] == out["ref"]["losses"]
+        for step in range(NUM_STEPS):
+            _close(out["got"]["grads"][step], out["ref"]["grads"][step], rtol=0, atol=0)
+        _close(out["got"]["weights"], out["ref"]["weights"], rtol=0, atol=0)
+
+
+def test_bad_plans_are_refused_before_anything_moves():
+    # Two nodes of one GPU each: no replica may exist at all.
+    topo = Topology(num_gpus=EP, gpus_per_node=1, num_experts=8, num_replica_slots=1)
+    batches = W.make_batches(EP, NUM_MB, seed=3)
+    loads = W.loads_of(batches, 8)
+    rng = np.random.default_rng(0)
+    wide = Topology(num_gpus=EP, gpus_per_node=EP, num_experts=8, num_replica_slots=1)
+    cross = W.random_plan(loads, wide, rng, replicas=True)  # replicas across the two nodes, and a reorder
+    assert (cross.slots_MLGJ[..., 4:] >= 0).any()
+    good = home_plan(loads, W.random_home_LE(2, topo, rng), topo)
+    slots = good.slots_MLGJ.copy()
+    slots[:, 0, 1, 0] = slots[:, 0, 0, 0]  # one expert in home slots of both GPUs: two owners
+    two_owners = Plan(good.home_LE, slots, good.quota_MLGJS, 4)
+    big = Topology(num_gpus=EP, gpus_per_node=EP, num_experts=8, num_replica_slots=2)
+    too_many = W.random_plan(loads, big, rng, replicas=True)  # 2 replica slots, the executor has 1
+    other = home_plan(loads, W.random_home_LE(2, topo, rng), topo)
+    differ = [good, other]  # rank 0 and rank 1 were handed different plans
+    plans = [cross, two_owners, too_many, differ, good]
+    results = run_ranks(W.refusal_worker, EP, plans, loads, 1, 1, timeout_s=200)
+    for per_rank in results:
+        for (error, weights_same, ids_same), what in zip(
+            per_rank[:4], ["node", "", "shape", "different"], strict=True
+        ):
+            assert error is not None and what in error
+            assert weights_same and ids_same
+        error, weights_same, ids_same = per_rank[4]
+        assert error is None and not ids_same  # the good plan reorders
