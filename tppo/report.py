@@ -9,7 +9,12 @@ import numpy as np
 
 
 def summarize(history: dict[str, list[float]]) -> dict[str, Any]:
-    """Means over the first and last 20% of steps (reward), and over the run (the rest)."""
+    """Means over the first and last 20% of steps (reward), and over the run (the rest).
+
+    truncated_fraction: the share of finished responses that T-PPO cut at least once (they needed more than
+    one window); skew_*: mean max/mean expert pairs per EP rank over (micro-batch, layer), static placement vs
+    the ReLibra plan.
+    """
     rewards = np.asarray(history.get("reward", []), dtype=float)
     k = max(1, len(rewards) // 5)
 

@@ -187,6 +187,6 @@ def rollout_metrics(batch: Sequence[Sample], retired: Sequence[Sample], seconds:
             "rollout/length_max": float(lengths.max()),
             "rollout/windows_mean": float(windows.mean()),
             "rollout/multi_window_fraction": float(np.mean(windows > 1)),
-            "rollout/truncated_fraction": float(np.mean([s.finish_reason == "length" for s in retired])),
+            "rollout/overlong_fraction": float(np.mean([s.finish_reason == "length" for s in retired])),
         }
     return out
