@@ -16,6 +16,16 @@ from dataclasses import dataclass
 
 from tppo.config import ClusterConfig
 
+QUIET_WARNINGS = ",".join(
+    [
+        "ignore::FutureWarning",
+        "ignore::DeprecationWarning",
+        "ignore:Apex is not installed",
+        "ignore:Transformer Engine and Apex are not installed",
+        "ignore:full scope is deprecated",
+    ]
+)
+
 
 @dataclass(frozen=True)
 class RayInfo:
@@ -38,6 +48,9 @@ def ray_init_kwargs(cfg: ClusterConfig) -> dict[str, object]:
         "object_store_memory": cfg.object_store_mb * 1024 * 1024,
         "include_dashboard": False,
         "log_to_driver": True,
+        # Megatron-Core and torch.distributed warn on every rank about optional packages and renamed APIs;
+        # repeated by each actor they bury the run's own output.
+        "runtime_env": {"env_vars": {"PYTHONWARNINGS": QUIET_WARNINGS}},
     }
 
 
