@@ -67,25 +67,29 @@ def random_plan(loads_MLSE: np.ndarray, topo: Topology, rng: np.random.Generator
     return Plan(home_LE=home, slots_MLGJ=slots, quota_MLGJS=quota, num_home_slots=H)
 
 
-def make_batches(num_ranks: int, num_mb: int, seed: int, rows: int = 2, tokens: int = 8) -> list[list]:
-    """batches[rank][m]: random tokens with random replayed routing (equal shapes: no dispatcher padding)."""
+def make_batches(
+    num_ranks: int, num_mb: int, seed: int, rows: int = 2, tokens: int | list[int] = 8
+) -> list[list]:
+    """batches[rank][m]: random tokens with random replayed routing; `tokens` per rank (unequal lengths make
+    the engine pad the shorter ranks for its allgather dispatcher)."""
     from tppo.engine.batch import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     E, K, L = TINY["num_experts"], TINY["moe_topk"], TINY["num_layers"]
     out = []
-    for _ in range(num_ranks):
+    lengths = tokens if isinstance(tokens, list) else [tokens] * num_ranks
+    for rank in range(num_ranks):
         mbs = []
         for _ in range(num_mb):
-            ids = torch.randint(0, TINY["vocab_size"], (rows, tokens), generator=g)
+            ids = torch.randint(0, TINY["vocab_size"], (rows, lengths[rank]), generator=g)
             # Skewed routing: experts 0..2 hot, so that replicas and reorders matter.
             weights = torch.tensor([6.0, 4.0, 3.0] + [1.0] * (E - 3))
             routed = torch.stack(
                 [
                     torch.multinomial(weights, K, replacement=False, generator=g)
-                    for _ in range(rows * tokens * L)
+                    for _ in range(rows * lengths[rank] * L)
                 ]
-            ).view(rows, tokens, L, K)
+            ).view(rows, lengths[rank], L, K)
             mbs.append(TrainBatch(input_ids_BT=ids, routed_experts_BTLK=routed))
         out.append(mbs)
     return out
@@ -104,7 +108,7 @@ def loads_of(batches: list[list], num_experts: int) -> np.ndarray:
     return loads
 
 
-def _engine(ep: int):
+def _engine(ep: int, dispatcher: str | None = None):
     from tppo.config import ModelConfig, OptimConfig, ParallelConfig
     from tppo.engine.engine import MegatronEngine
 
@@ -113,6 +117,7 @@ def _engine(ep: int):
         ParallelConfig(expert_parallel=ep),
         OptimConfig(lr=1e-2, grad_clip=0.0),
         seed=3,
+        dispatcher=dispatcher,
     )
 
 
@@ -147,21 +152,28 @@ def _train(engine, batches, executor=None, plans=None, loads=None) -> dict:
 
 
 def invariance_worker(
-    rank: int, steps_batches: list, plans: list, loads: list, replicas: int, gpn: int
+    rank: int,
+    steps_batches: list,
+    plans: list,
+    loads: list,
+    replicas: int,
+    gpn: int,
+    dispatcher: str | None = None,
 ) -> dict:
     """Static engine vs engine with the executor applying `plans`, on the same data; plus checkpoint loading."""
     from relibra.executor.executor import ExpertExecutor
 
     batches = [b[rank] for b in steps_batches]
-    static = _engine(len(steps_batches[0]))
+    ep = len(steps_batches[0])
+    static = _engine(ep, dispatcher)
     ref = _train(static, batches)
-    engine = _engine(len(steps_batches[0]))
+    engine = _engine(ep, dispatcher)
     executor = ExpertExecutor(engine, num_replica_slots=replicas, gpus_per_node=gpn)
     got = _train(engine, batches, executor, plans, loads)
     placement = [list(layer.experts.logical_expert_ids) for layer in engine.moe_layers]
     # A checkpoint saved under the final (reordered) placement, loaded by an engine under the static one.
     sd = engine.state_dict()
-    fresh = _engine(len(steps_batches[0]))
+    fresh = _engine(ep, dispatcher)
     ExpertExecutor(fresh).load_checkpoint(sd)
     loaded = _hf_weights(fresh)
     from engine_testing import nll_loss
