@@ -1,6 +1,8 @@
 """Composition of configs/ over the typed schema, and the decorator every recipe's main() uses.
 
-A recipe is `@recipe("train")` over `main(cfg: ExperimentConfig)`. Composition errors (unknown key, wrong
+A recipe is `@recipe("train")` over `main(cfg: ExperimentConfig)`; a recipe with its own top-level schema passes
+it, e.g. `@recipe("eval", schema=Schema("eval_schema", EvalConfig))` over `main(cfg: EvalConfig)` (the YAML's
+defaults list starts with the schema's name). Composition errors (unknown key, wrong
 type, an experiment that does not exist) are Hydra's own short messages; values out of range and rules that
 join fields raise `ConfigError`, which ends the run with one line on stderr and exit status 2.
 """
@@ -12,6 +14,7 @@ import difflib
 import functools
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,38 +29,55 @@ CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 SCHEMA_NAME = "experiment_schema"
 
 
-def register_schema() -> None:
+@dataclass(frozen=True)
+class Schema:
+    """A top-level typed schema: the ConfigStore `name` a recipe's YAML starts its defaults list with, and the
+    dataclass (`node`) whose `validate()` returns the checked object."""
+
+    name: str
+    node: type
+
+
+EXPERIMENT = Schema(SCHEMA_NAME, ExperimentConfig)
+
+
+def register_schema(schema: Schema = EXPERIMENT) -> None:
     """Make the typed schema available to the defaults lists of configs/ (idempotent)."""
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=ExperimentConfig)
+    ConfigStore.instance().store(name=schema.name, node=schema.node)
 
 
-def to_experiment(cfg: DictConfig) -> ExperimentConfig:
-    """Convert Hydra's composed config to the dataclasses, once, and validate it."""
+def to_config(cfg: DictConfig, schema: Schema) -> Any:
+    """Convert Hydra's composed config to the schema's dataclasses, once, and validate it."""
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
     try:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(str(err).splitlines()[0]) from err
-    if not isinstance(obj, ExperimentConfig):
-        raise ConfigError(f"composed config is a {type(obj).__name__}, not an ExperimentConfig")
+    if not isinstance(obj, schema.node):
+        raise ConfigError(f"composed config is a {type(obj).__name__}, not an {schema.node.__name__}")
     return obj.validate()
 
 
-def compose(config_name: str = "train", overrides: Sequence[str] = ()) -> ExperimentConfig:
+def to_experiment(cfg: DictConfig) -> ExperimentConfig:
+    """Convert Hydra's composed config to the dataclasses, once, and validate it."""
+    return to_config(cfg, EXPERIMENT)
+
+
+def compose(config_name: str = "train", overrides: Sequence[str] = (), schema: Schema = EXPERIMENT) -> Any:
     """Compose and validate a recipe's config without running it (tests, tools, notebooks)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     for override in overrides:
-        if problem := unknown_override_key(override):
+        if problem := unknown_override_key(override, schema.node):
             raise ConfigError(problem)
-    register_schema()
+    register_schema(schema)
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
-    return to_experiment(cfg)
+    return to_config(cfg, schema)
 
 
-def unknown_override_key(override: str) -> str | None:
+def unknown_override_key(override: str, root: type = ExperimentConfig) -> str | None:
     """Say what is wrong with `a.b=v` when `a.b` is no field of the schema (group choices pass through).
 
     Hydra would reject such a key too, but without naming the keys that exist; this names them and the
@@ -66,7 +86,7 @@ def unknown_override_key(override: str) -> str | None:
     if override.startswith(("+", "~", "hydra.", "hydra/")) or "=" not in override:
         return None
     key = override.split("=", 1)[0]
-    node: Any = ExperimentConfig
+    node: Any = root
     path: list[str] = []
     for part in key.split("."):
         if not dataclasses.is_dataclass(node):
@@ -96,25 +116,28 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def recipe(config_name: str) -> Callable[[Callable[[ExperimentConfig], Any]], Callable[[], Any]]:
-    """Turn `main(cfg: ExperimentConfig)` into a Hydra entry point composed from configs/<config_name>.yaml."""
+def recipe(
+    config_name: str, schema: Schema = EXPERIMENT
+) -> Callable[[Callable[[Any], Any]], Callable[[], Any]]:
+    """Turn `main(cfg)` into a Hydra entry point composed from configs/<config_name>.yaml over `schema`
+    (`main(cfg: ExperimentConfig)` by default)."""
 
-    def wrap(main: Callable[[ExperimentConfig], Any]) -> Callable[[], Any]:
-        register_schema()
+    def wrap(main: Callable[[Any], Any]) -> Callable[[], Any]:
+        register_schema(schema)
 
         @hydra.main(config_path=CONFIG_DIR, config_name=config_name, version_base="1.3")
         @functools.wraps(main)
         def entry(cfg: DictConfig) -> Any:
             try:
-                experiment = to_experiment(cfg)
+                typed = to_config(cfg, schema)
             except ConfigError as err:
                 fail(f"invalid configuration: {err}")
-            return main(experiment)
+            return main(typed)
 
         @functools.wraps(main)
         def checked() -> Any:
             for arg in sys.argv[1:]:
-                if problem := unknown_override_key(arg):
+                if problem := unknown_override_key(arg, schema.node):
                     fail(problem)
             return entry()
 

