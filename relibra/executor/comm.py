@@ -6,7 +6,7 @@
   into the gradient of its home slots in (holder rank, replica slot) order, a fixed order, so the result is
   deterministic. The fold therefore goes through autograd into the owner's `param.grad` / `main_grad`
   BEFORE Megatron's finalize_model_grads hands expert gradients to the data-parallel reduction. Activation
-  recompute would re-run the forward and so re-push the weights (the executor refuses recompute for now).
+  recompute re-runs the forward inside the backward and so re-pushes the weights.
 - `move_slots(tensor_J, moves, group)`: in-place permutation of a stacked slot tensor's rows across ranks
   (expert migration); used for weights and for every optimizer state tensor shaped like them.
 

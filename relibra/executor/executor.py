@@ -22,8 +22,11 @@ skipped entirely under Megatron's static placement, so the static path is untouc
 Checkpoints and HF export follow `logical_expert_ids`, so they come out in logical order whatever the placement;
 `load_checkpoint` loads an engine checkpoint saved under another placement.
 
-Limits (raised, not silently wrong): activation recompute (the micro-batch counter would not see the recompute
-pass); migration with Megatron's distributed optimizer (its fp32 master weights and moments live in sharded
+Activation recompute: a checkpointed layer's recompute (in the backward) routes and re-pushes replicas for the
+micro-batch of its first forward (a FIFO per layer, as the routing replay's queue), so plans stay indexed by
+micro-batch id.
+
+Limits (raised, not silently wrong): migration with Megatron's distributed optimizer (its fp32 master weights and moments live in sharded
 flat buffers; only torch optimizers whose state tensors have the parameter's shape are moved); plans must be
 the same on every rank of the EP group; the expert-data-parallel copies of the EP group must get the same
 `home_LE` (checked).
@@ -80,6 +83,8 @@ class ExecutorStep:
     apply_s: float
     microbatch: int = -1
     pushes: int = 0
+    current_LI: list[int] = field(default_factory=list)  # micro-batch of each layer's running forward
+    pending_LI: list[list[int]] = field(default_factory=list)  # recompute FIFO per layer
     extra: dict = field(default_factory=dict)
 
 
@@ -92,10 +97,10 @@ class ExpertExecutor:
         self.group, self.rank = groups.ep, groups.ep_rank
         self.expt_dp = groups.expt_dp
         self.device = groups.device
-        if engine.config.recompute_granularity is not None:
-            raise ValueError(
-                "the ReLibra executor does not support activation recompute yet (parallel.recompute)"
-            )
+        # With activation recompute a layer's first forward runs without grad and its recompute (inside the
+        # backward, grad on) must use the same micro-batch: a FIFO per layer, consumed in backward order,
+        # which is the forward order under Megatron's schedules (as the routing replay's own queue).
+        self.recompute = engine.config.recompute_granularity is not None
         self.layers = list(engine.moe_layers)
         for layer in self.layers:
             if not hasattr(layer.experts, "logical_expert_ids"):
@@ -161,7 +166,7 @@ class ExpertExecutor:
                 if self._static:
                     return probs_NE, routing_map_NE
                 return permute_routing(probs_NE, routing_map_NE, self._log_of_phys[li])
-            m = step.microbatch
+            m = self._layer_microbatch(step, li)
             num_phys = self.topo.num_gpus * self.topo.num_slots
             return reroute_routing(
                 probs_NE, routing_map_NE, step.inst_MLEI[m, li], step.cum_MLEI[m, li], num_phys
@@ -169,13 +174,27 @@ class ExpertExecutor:
 
         return hook
 
+    def _layer_microbatch(self, step: ExecutorStep, li: int) -> int:
+        """The micro-batch a layer's forward belongs to: the decoder's count, or the recompute FIFO's head."""
+        if not self.recompute:
+            m = step.microbatch
+        elif torch.is_grad_enabled():  # the recompute pass inside the backward
+            if not step.pending_LI[li]:
+                raise RuntimeError(f"activation recompute of MoE layer {li} found no micro-batch left")
+            m = step.pending_LI[li].pop(0)
+        else:  # the first forward of a checkpointed layer
+            m = step.microbatch
+            step.pending_LI[li].append(m)
+        step.current_LI[li] = m
+        return m
+
     def _weight_provider(self, li: int):
         def provide(experts) -> tuple[torch.Tensor, torch.Tensor]:
             step = self._step
             w1, w2 = experts.weight1, experts.weight2
             if step is None:
                 return w1, w2
-            exchange = step.exchanges[step.microbatch][li]
+            exchange = step.exchanges[step.current_LI[li]][li]
             step.pushes += len(exchange.recvs)
             r1, r2 = push_replicas(w1, w2, exchange, self.topo.num_replica_slots, self.group)
             return torch.cat([w1, r1]), torch.cat([w2, r2])
@@ -250,6 +269,8 @@ class ExpertExecutor:
             exchanges=replica_exchanges(plan, self.topo, self.rank, self.layer_ids),
             migration=migration,
             apply_s=0.0,
+            current_LI=[-1] * len(self.layers),
+            pending_LI=[[] for _ in self.layers],
         )
         if self.topo.num_replica_slots > 0:
             if self._slot_dispatchers is None:

@@ -108,13 +108,13 @@ def loads_of(batches: list[list], num_experts: int) -> np.ndarray:
     return loads
 
 
-def _engine(ep: int, dispatcher: str | None = None):
+def _engine(ep: int, dispatcher: str | None = None, recompute: bool = False):
     from tppo.config import ModelConfig, OptimConfig, ParallelConfig
     from tppo.engine.engine import MegatronEngine
 
     return MegatronEngine(
         ModelConfig(**TINY),
-        ParallelConfig(expert_parallel=ep),
+        ParallelConfig(expert_parallel=ep, recompute=recompute),
         OptimConfig(lr=1e-2, grad_clip=0.0),
         seed=3,
         dispatcher=dispatcher,
@@ -159,21 +159,22 @@ def invariance_worker(
     replicas: int,
     gpn: int,
     dispatcher: str | None = None,
+    recompute: bool = False,
 ) -> dict:
     """Static engine vs engine with the executor applying `plans`, on the same data; plus checkpoint loading."""
     from relibra.executor.executor import ExpertExecutor
 
     batches = [b[rank] for b in steps_batches]
     ep = len(steps_batches[0])
-    static = _engine(ep, dispatcher)
+    static = _engine(ep, dispatcher, recompute)
     ref = _train(static, batches)
-    engine = _engine(ep, dispatcher)
+    engine = _engine(ep, dispatcher, recompute)
     executor = ExpertExecutor(engine, num_replica_slots=replicas, gpus_per_node=gpn)
     got = _train(engine, batches, executor, plans, loads)
     placement = [list(layer.experts.logical_expert_ids) for layer in engine.moe_layers]
     # A checkpoint saved under the final (reordered) placement, loaded by an engine under the static one.
     sd = engine.state_dict()
-    fresh = _engine(ep, dispatcher)
+    fresh = _engine(ep, dispatcher, recompute)
     ExpertExecutor(fresh).load_checkpoint(sd)
     loaded = _hf_weights(fresh)
     from engine_testing import nll_loss
