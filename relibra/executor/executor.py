@@ -22,6 +22,12 @@ skipped entirely under Megatron's static placement, so the static path is untouc
 Checkpoints and HF export follow `logical_expert_ids`, so they come out in logical order whatever the placement;
 `load_checkpoint` loads an engine checkpoint saved under another placement.
 
+Metrics of a step (`end_step`, keys `relibra/exec_*`): apply time (check + migration + tables), experts migrated
+into this rank and bytes it sent, replica pushes, replicas per (micro-batch, layer), the measured skew (max/mean
+over the EP group of the pairs each rank's experts computed, averaged over (micro-batch, layer); padding tokens
+included) and the measured expert forward time (this rank, max and mean over the EP group; CUDA events on GPU).
+Planner time, planned skew and simulated MoE time come from tppo.balance.LoadPlanner.
+
 Activation recompute: a checkpointed layer's recompute (in the backward) routes and re-pushes replicas for the
 micro-batch of its first forward (a FIFO per layer, as the routing replay's queue), so plans stay indexed by
 micro-batch id.
@@ -85,6 +91,8 @@ class ExecutorStep:
     pushes: int = 0
     current_LI: list[int] = field(default_factory=list)  # micro-batch of each layer's running forward
     pending_LI: list[list[int]] = field(default_factory=list)  # recompute FIFO per layer
+    pairs: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (m, layer, pairs computed)
+    timings: list = field(default_factory=list)  # (start, end) events or host times of expert forwards
     extra: dict = field(default_factory=dict)
 
 
@@ -122,6 +130,10 @@ class ExpertExecutor:
         for li, layer in enumerate(self.layers):
             layer.route_hook = self._route_hook(li)
         self._hook = engine.module.decoder.register_forward_pre_hook(self._next_microbatch)
+        self._expert_hooks = []
+        for li, layer in enumerate(self.layers):
+            self._expert_hooks.append(layer.experts.register_forward_pre_hook(self._expert_start(li)))
+            self._expert_hooks.append(layer.experts.register_forward_hook(self._expert_end))
 
     # ----------------------------------------------------------------- placement
     def _gather_slots(self) -> np.ndarray:
@@ -173,6 +185,56 @@ class ExpertExecutor:
             )
 
         return hook
+
+    def _expert_start(self, li: int):
+        def hook(module, args) -> None:
+            step = self._step
+            if step is None or (self.recompute and torch.is_grad_enabled()):
+                return  # measure first passes only
+            step.pairs.append((step.current_LI[li], li, args[1].sum()))
+            step.timings.append([self._now(), None])
+
+        return hook
+
+    def _expert_end(self, module, args, output) -> None:
+        step = self._step
+        if step is not None and step.timings and step.timings[-1][1] is None:
+            step.timings[-1][1] = self._now()
+
+    def _now(self):
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _measured(self, step: ExecutorStep) -> dict[str, float]:
+        """Measured pairs per GPU (skew over the EP group) and expert forward time, from this step's hooks."""
+        M, L = step.plan.num_microbatches, len(self.layers)
+        pairs_ML = torch.zeros(M, L, dtype=torch.float64)
+        for m, li, n in step.pairs:
+            pairs_ML[m, li] += float(n)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            ms = sum(a.elapsed_time(b) for a, b in step.timings if b is not None)
+        else:
+            ms = sum((b - a) * 1e3 for a, b in step.timings if b is not None)
+        parts = [
+            torch.empty(M * L + 1, dtype=torch.float64, device=self.device) for _ in range(self.topo.num_gpus)
+        ]
+        mine = torch.cat([pairs_ML.reshape(-1), torch.tensor([ms], dtype=torch.float64)]).to(self.device)
+        dist.all_gather(parts, mine, group=self.group)
+        table = torch.stack(parts).cpu()  # [G, M L + 1]
+        per_gpu = table[:, :-1]
+        mean = per_gpu.mean(0)
+        busy = mean > 0
+        skew = (per_gpu.max(0).values[busy] / mean[busy]).mean() if busy.any() else torch.tensor(float("nan"))
+        return {
+            "relibra/exec_skew_measured": float(skew),
+            "relibra/exec_expert_fwd_ms": float(ms),
+            "relibra/exec_expert_fwd_ms_max": float(table[:, -1].max()),
+            "relibra/exec_expert_fwd_ms_mean": float(table[:, -1].mean()),
+        }
 
     def _layer_microbatch(self, step: ExecutorStep, li: int) -> int:
         """The micro-batch a layer's forward belongs to: the decoder's count, or the recompute FIFO's head."""
@@ -303,6 +365,7 @@ class ExpertExecutor:
             "relibra/exec_migration_bytes": float(step.migration.bytes_sent),
             "relibra/exec_replica_pushes": float(step.pushes),
             "relibra/exec_replicas_per_mb_layer": float((replicas >= 0).sum(axis=(2, 3)).mean()),
+            **self._measured(step),
         }
 
     @contextmanager
@@ -384,6 +447,8 @@ class ExpertExecutor:
         for layer in self.layers:
             layer.route_hook = None
         self._hook.remove()
+        for hook in self._expert_hooks:
+            hook.remove()
 
 
 def _digest(plan: Plan) -> float:

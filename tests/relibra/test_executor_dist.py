@@ -91,7 +91,19 @@ def test_any_plan_equals_static(ep, gpn, replicas, recompute, tokens):
             else:
                 assert all(sum(c) >= sum(w) for c, w in zip(counts, want, strict=True))
             metrics = got["metrics"][step]
-            assert metrics["relibra/exec_migrated_experts"] >= 0
+            before = plans[step - 1].home_LE if step else static_home_LE(2, topo)
+            now = plans[step].home_LE
+            moved_in = ((now == rank) & (before != rank)).sum()
+            moved_out = ((now != rank) & (before == rank)).sum()
+            assert metrics["relibra/exec_migrated_experts"] == moved_in
+            # W1 + W2 of an expert (3 F D fp32 values), with AdamW's two moments once a step has run.
+            per_expert = 3 * W.TINY["moe_ffn_hidden_size"] * W.TINY["hidden_size"] * 4 * (3 if step else 1)
+            assert metrics["relibra/exec_migration_bytes"] == moved_out * per_expert
+            assert metrics["relibra/exec_expert_fwd_ms_max"] >= metrics["relibra/exec_expert_fwd_ms"] > 0
+            if isinstance(tokens, int):
+                per_gpu_MLG = plans[step].served_MLGJ().sum(-1)
+                skew = (per_gpu_MLG.max(-1) / per_gpu_MLG.mean(-1)).mean()
+                assert metrics["relibra/exec_skew_measured"] == pytest.approx(skew, rel=1e-12)
             if replicas:
                 pushes = (plans[step].slots_MLGJ[:, :, rank, H:] >= 0).sum() * (2 if recompute else 1)
                 assert metrics["relibra/exec_replica_pushes"] == pushes
