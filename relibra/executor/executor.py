@@ -292,8 +292,8 @@ class ExpertExecutor:
                 num_layers=self.num_plan_layers,
                 num_microbatches=num_microbatches,
             )
-        except PlanError as err:
-            error = str(err)
+        except Exception as err:  # any malformed plan: every rank must still reach the vote below
+            error = f"{type(err).__name__}: {err}" if not isinstance(err, PlanError) else str(err)
         digest = _digest(plan) if error is None else 0
         home_digest = _digest_home(plan) if error is None else 0
         table = torch.tensor(
@@ -421,10 +421,11 @@ class ExpertExecutor:
         return tensors
 
     # ----------------------------------------------------------------- checkpoints
-    def load_checkpoint(self, state_dict: dict) -> None:
-        """Load an engine checkpoint saved under any placement into the engine under its current placement.
+    def load_checkpoint(self, state_dict: dict, *, keep_saved_placement: bool = False) -> None:
+        """Load an engine checkpoint saved under any placement (`MegatronEngine.state_dict`).
 
-        Collective over the EP group: migrates to the checkpoint's placement, loads, migrates back.
+        Collective over the EP group: migrates to the checkpoint's placement, loads, and (unless
+        `keep_saved_placement`) migrates back to the placement in force before the call.
         """
         saved = state_dict["expert_placement"]
         ids = torch.tensor([saved[k] for k in sorted(saved, key=int)], dtype=torch.long, device=self.device)
@@ -434,7 +435,8 @@ class ExpertExecutor:
         target = self.slots_LGH.copy()
         self.migrate_slots(saved_LGH)
         self.engine.load_state_dict(state_dict)
-        self.migrate_slots(target)
+        if not keep_saved_placement:
+            self.migrate_slots(target)
 
     def detach(self) -> None:
         """Remove the hooks (the placement stays in `logical_expert_ids`; routing falls back to Megatron's)."""

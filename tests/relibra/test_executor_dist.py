@@ -112,6 +112,8 @@ def test_any_plan_equals_static(ep, gpn, replicas, recompute, tokens):
         assert out["placement"] == plans[-1].slots_MLGJ[0, :, rank, :H].tolist()
         assert out["fresh_placement"] == [list(range(H * rank, H * rank + H))] * W.TINY["num_layers"]
         _close(out["loaded"], got["weights"], rtol=0, atol=0)
+        assert out["kept_placement"] == out["placement"]
+        _close(out["kept_weights"], got["weights"], rtol=0, atol=0)
         _close(out["after_loaded"], out["after_engine"], atol=LR / 100)
 
 

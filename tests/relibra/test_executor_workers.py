@@ -177,6 +177,11 @@ def invariance_worker(
     fresh = _engine(ep, dispatcher, recompute)
     ExpertExecutor(fresh).load_checkpoint(sd)
     loaded = _hf_weights(fresh)
+    # The same checkpoint again, keeping its placement this time.
+    kept = _engine(ep, dispatcher, recompute)
+    ExpertExecutor(kept).load_checkpoint(sd, keep_saved_placement=True)
+    kept_placement = [list(layer.experts.logical_expert_ids) for layer in kept.moe_layers]
+    kept_weights = _hf_weights(kept)
     from engine_testing import nll_loss
 
     # One more step on both: equal only if the Adam moments came along in logical order.
@@ -190,6 +195,8 @@ def invariance_worker(
         after_engine=_hf_weights(engine),
         after_loaded=_hf_weights(fresh),
         fresh_placement=[list(layer.experts.logical_expert_ids) for layer in fresh.moe_layers],
+        kept_placement=kept_placement,
+        kept_weights=kept_weights,
     )
 
 
