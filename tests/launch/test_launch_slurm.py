@@ -28,17 +28,19 @@ HOST = socket.gethostname().split(".")[0]
 
 @dataclass(frozen=True)
 class Recipe:
-    """What the jobs run: `python -m recipes.<name> <args>` with `cpus` CPUs per job."""
+    """What the jobs run: `python -m recipes.<name> <args>` with `cpus` CPUs per job, each job within `job_s`."""
 
     name: str
     args: tuple[str, ...]
     cpus: int
+    job_s: int
 
 
 # The recipe of every job below. recipes.check composes, validates and prints the job's config; once the
 # training recipe lands, this one line becomes
-#   RECIPE = Recipe("train", ("experiment=default", "run.num_steps=2", "logging=disabled"), cpus=2)
-RECIPE = Recipe("check", ("experiment=default",), cpus=1)
+#   RECIPE = Recipe("train", ("experiment=default", "run.num_steps=2", "logging=disabled"), cpus=1, job_s=900)
+# (the training actors ask Ray for 0.01 CPU each, so one Slurm CPU per job is enough to schedule them).
+RECIPE = Recipe("check", ("experiment=default",), cpus=1, job_s=300)
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -136,7 +138,7 @@ def submit(tmp: Path, run_name: str) -> tuple[str, Path, Path]:
     logs, outputs = tmp / "slurm", tmp / "runs"
     done = subprocess.run(
         [sys.executable, "-m", "recipes.submit", "--recipe", RECIPE.name, "--cpus-per-node", str(RECIPE.cpus),
-         "--time", "10", "--log-dir", str(logs), *RECIPE.args, f"run.output_dir={outputs}", f"run.name={run_name}"],
+         "--time", str(RECIPE.job_s // 60 + 5), "--log-dir", str(logs), *RECIPE.args, f"run.output_dir={outputs}", f"run.name={run_name}"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
@@ -148,7 +150,7 @@ def submit(tmp: Path, run_name: str) -> tuple[str, Path, Path]:
 
 def test_sbatch_job_runs_the_recipe_on_its_ray_cluster(slurm, tmp_path):
     job_id, logs, outputs = submit(tmp_path, "slurm_sbatch")
-    states = wait_for_job(job_id, timeout=300)
+    states = wait_for_job(job_id, timeout=RECIPE.job_s)
     job_dir = logs / job_id
     launcher_log = (logs / f"slurm-{job_id}.out").read_text()
     driver_log = (job_dir / "driver.log").read_text() if (job_dir / "driver.log").exists() else ""
@@ -192,10 +194,10 @@ def test_scancel_tears_the_ray_cluster_down(slurm, tmp_path):
 def test_hydra_sweep_runs_each_point_as_a_slurm_job_with_its_own_ray_cluster(slurm, tmp_path):
     sweep, outputs = tmp_path / "sweep", tmp_path / "runs"
     cmd = [sys.executable, "-m", f"recipes.{RECIPE.name}", "-m", "hydra/launcher=slurm",
-           f"hydra.sweep.dir={sweep}", f"hydra.launcher.cpus_per_task={RECIPE.cpus}", "hydra.launcher.timeout_min=10",
+           f"hydra.sweep.dir={sweep}", f"hydra.launcher.cpus_per_task={RECIPE.cpus}", f"hydra.launcher.timeout_min={RECIPE.job_s // 60 + 5}",
            "cluster.ray_address=auto", *RECIPE.args, f"run.output_dir={outputs}", "run.name=sweep_a,sweep_b"]  # fmt: skip
     hydra = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline, array_id = time.monotonic() + 360, None
+    deadline, array_id = time.monotonic() + RECIPE.job_s + 60, None
     try:
         while hydra.poll() is None:
             assert time.monotonic() < deadline, "the sweep did not finish in time"
