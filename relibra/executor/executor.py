@@ -32,8 +32,12 @@ Activation recompute: a checkpointed layer's recompute (in the backward) routes 
 micro-batch of its first forward (a FIFO per layer, as the routing replay's queue), so plans stay indexed by
 micro-batch id.
 
-Limits (raised, not silently wrong): migration with Megatron's distributed optimizer (its fp32 master weights and moments live in sharded
-flat buffers; only torch optimizers whose state tensors have the parameter's shape are moved); plans must be
+Optimizer state that migrates with an expert: torch optimizers' state tensors shaped like the parameter (AdamW's
+exp_avg / exp_avg_sq; tested on CPU); Megatron's distributed optimizer's fp32 master weight and moments through
+its per-parameter accessors when expert data parallelism is 1 (GPU only, test marked gpu).
+
+Limits (raised, not silently wrong): migration with Megatron's distributed optimizer sharded over
+expert-data-parallel ranks; plans must be
 the same on every rank of the EP group; the expert-data-parallel copies of the EP group must get the same
 `home_LE` (checked).
 
@@ -395,15 +399,11 @@ class ExpertExecutor:
             raise ValueError(f"new placement has shape {new_LGH.shape}, expected {self.slots_LGH.shape}")
         stats = MigrationStats()
         changed = [li for li in range(len(self.layers)) if (new_LGH[li] != self.slots_LGH[li]).any()]
-        if changed and self.engine.megatron_optimizer:
-            raise NotImplementedError(
-                "expert migration with Megatron's distributed optimizer is not implemented (use optimizer='torch')"
-            )
         for li in changed:
             moves = migration_moves(self.slots_LGH[li], new_LGH[li], self.rank)
             experts = self.layers[li].experts
-            for tensor in self._slot_tensors(experts):
-                stats.bytes_sent += move_slots(tensor, moves, self.group)
+            for param in (experts.weight1, experts.weight2):
+                stats.bytes_sent += self._move_param(param, moves)
             stats.num_experts_in += len(moves.recvs)
             experts.logical_expert_ids = [int(e) for e in new_LGH[li, self.rank]]
             self.slots_LGH[li] = new_LGH[li]
@@ -411,14 +411,43 @@ class ExpertExecutor:
         self._static = self._is_static()
         return stats
 
-    def _slot_tensors(self, experts) -> list[torch.Tensor]:
-        """Every tensor whose rows are the expert slots: the weights and their optimizer state (same shape)."""
-        tensors = []
-        for param in (experts.weight1, experts.weight2):
-            tensors.append(param.data)
-            state = self.engine.optimizer.state.get(param, {}) if not self.engine.megatron_optimizer else {}
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.shape == param.shape]
-        return tensors
+    def _move_param(self, param: torch.nn.Parameter, moves) -> int:
+        """Move the slot rows of a stacked expert parameter and of its optimizer state; return bytes sent."""
+        sent = move_slots(param.data, moves, self.group)
+        if not self.engine.megatron_optimizer:
+            state = self.engine.optimizer.state.get(param, {})
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.shape == param.shape:
+                    sent += move_slots(v, moves, self.group)
+            return sent
+        return sent + self._move_megatron_state(param, moves)
+
+    def _move_megatron_state(self, param: torch.nn.Parameter, moves) -> int:
+        """Megatron's distributed optimizer: the fp32 master weight and Adam moments of `param`.
+
+        Only an unsharded state is moved (expert data-parallel size 1: this rank's shard is the whole
+        parameter); a state sharded over expert-DP ranks raises NotImplementedError.
+        """
+        sent = 0
+        chained = getattr(self.engine.optimizer, "chained_optimizers", [self.engine.optimizer])
+        for opt in chained:
+            if param not in opt.model_param_group_index_map:
+                continue
+            tensors = opt._get_main_param_and_optimizer_states(param)
+            moved = {}
+            for key, value in tensors.items():
+                if not isinstance(value, torch.Tensor) or value.numel() <= 1:
+                    continue
+                if value.numel() != param.numel():
+                    raise NotImplementedError(
+                        "expert migration with Megatron's distributed optimizer sharded over expert-data-parallel "
+                        f"ranks is not implemented ({key}: {value.numel()} of {param.numel()} values here)"
+                    )
+                full = value.detach().reshape(param.shape).clone()
+                sent += move_slots(full, moves, self.group)
+                moved[key] = full.reshape(value.shape)
+            opt._set_main_param_and_optimizer_states(param, {**tensors, **moved})
+        return sent
 
     # ----------------------------------------------------------------- checkpoints
     def load_checkpoint(self, state_dict: dict, *, keep_saved_placement: bool = False) -> None:

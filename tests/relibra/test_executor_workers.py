@@ -108,7 +108,7 @@ def loads_of(batches: list[list], num_experts: int) -> np.ndarray:
     return loads
 
 
-def _engine(ep: int, dispatcher: str | None = None, recompute: bool = False):
+def _engine(ep: int, dispatcher: str | None = None, recompute: bool = False, optimizer: str = "auto"):
     from tppo.config import ModelConfig, OptimConfig, ParallelConfig
     from tppo.engine.engine import MegatronEngine
 
@@ -118,6 +118,7 @@ def _engine(ep: int, dispatcher: str | None = None, recompute: bool = False):
         OptimConfig(lr=1e-2, grad_clip=0.0),
         seed=3,
         dispatcher=dispatcher,
+        optimizer=optimizer,
     )
 
 
