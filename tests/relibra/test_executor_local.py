@@ -54,3 +54,27 @@ def test_permuting_slots_between_steps_changes_nothing(optimizer):
     assert sorted(want) == sorted(got)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=LR / 100, msg=name)
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_slot_layout_with_an_empty_replica_slot_equals_static(dispatcher):
+    """One rank, R=1: the dispatcher built for H + R slots (Megatron's allgather or alltoall, the GPU default)
+    and the weights home + (empty) replica slot train exactly like the static engine."""
+    import numpy as np
+
+    from relibra.planners.base import home_plan
+
+    static = W._engine(1, dispatcher=dispatcher, optimizer="torch")
+    engine = W._engine(1, dispatcher=dispatcher, optimizer="torch")
+    executor = ExpertExecutor(engine, num_replica_slots=1, gpus_per_node=1)
+    batches = W.make_batches(1, 2, seed=6)[0]
+    loads = W.loads_of([batches], W.TINY["num_experts"])
+    plan = home_plan(loads, np.zeros((2, W.TINY["num_experts"]), dtype=np.int64), executor.topo)
+    with executor.step(plan, loads, num_microbatches=2) as step:
+        loss = engine.train_step(batches, nll_loss).loss
+    assert step.extra["relibra/exec_replica_pushes"] == 0
+    assert [len(c) for c in [layer.experts.last_tokens_per_expert for layer in engine.moe_layers]] == [9, 9]
+    assert loss == pytest.approx(static.train_step(batches, nll_loss).loss, rel=1e-6)
+    want, got = W._hf_weights(static), W._hf_weights(engine)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=LR / 100, msg=name)
