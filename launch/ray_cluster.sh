@@ -103,7 +103,7 @@ _rc_gpus_here() {
 
 # SLURM_JOB_CPUS_PER_NODE ("72(x2),36") expanded to one count per node, in the order of the node list.
 _rc_cpus_per_node() {
-  local part count times out=()
+  local part parts count times i out=()
   IFS=, read -r -a parts <<<"${SLURM_JOB_CPUS_PER_NODE:-1}"
   for part in "${parts[@]}"; do
     count=${part%%(*}
@@ -277,6 +277,7 @@ ray_cluster_up() {
     if [ "$attempt" -ge "$attempts" ] || [ $SECONDS -ge $deadline ]; then
       _rc_err "the Ray head did not start ($attempt attempts); end of $RAY_CLUSTER_LOG_DIR/ray-head.log:"
       tail -n 20 "$RAY_CLUSTER_LOG_DIR/ray-head.log" >&2
+      _rc_save_logs
       _RC_HEAD_PID=
       return 1
     fi
