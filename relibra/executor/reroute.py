@@ -37,7 +37,8 @@ def reroute_routing(
         )
     routed = routing_map_NE.bool()
     rank_NE = torch.cumsum(routed.to(torch.int64), dim=0) - 1
-    idx_NE = (cum_EI.unsqueeze(0) <= rank_NE.unsqueeze(-1)).sum(-1)
+    # cum_EI is non-decreasing along I: a batched binary search per expert, [E, N] of memory.
+    idx_NE = torch.searchsorted(cum_EI.contiguous(), rank_NE.T.contiguous(), right=True).T
     phys_NE = inst_EI[torch.arange(e, device=inst_EI.device).unsqueeze(0), idx_NE]
     # Unrouted pairs go to a spare column that is dropped: no two routed pairs of a token share a slot.
     phys_NE = torch.where(routed, phys_NE, num_phys)
