@@ -53,16 +53,17 @@ def _close(a: dict, b: dict, rtol=1e-5, atol=1e-6):
 
 
 CASES = [
-    pytest.param(2, 2, 0, False, 8, id="ep2-reorder"),
-    pytest.param(2, 2, 1, False, 8, id="ep2-reorder+replicas"),
-    pytest.param(2, 2, 1, False, [8, 5], id="ep2-replicas-padded"),
-    pytest.param(2, 2, 1, True, 8, id="ep2-replicas-recompute"),
-    pytest.param(4, 2, 1, False, 6, id="ep4-two-nodes-replicas", marks=pytest.mark.slow),
+    pytest.param(2, 2, 0, False, 8, 0.0, id="ep2-reorder"),
+    pytest.param(2, 2, 1, False, 8, 0.0, id="ep2-reorder+replicas"),
+    pytest.param(2, 2, 1, False, [8, 5], 0.0, id="ep2-replicas-padded"),
+    pytest.param(2, 2, 1, True, 8, 0.0, id="ep2-replicas-recompute"),
+    pytest.param(2, 2, 1, False, 8, 0.1, id="ep2-replicas-aux-loss"),
+    pytest.param(4, 2, 1, False, 6, 0.0, id="ep4-two-nodes-replicas", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize(("ep", "gpn", "replicas", "recompute", "tokens"), CASES)
-def test_any_plan_equals_static(ep, gpn, replicas, recompute, tokens):
+@pytest.mark.parametrize(("ep", "gpn", "replicas", "recompute", "tokens", "aux_loss"), CASES)
+def test_any_plan_equals_static(ep, gpn, replicas, recompute, tokens, aux_loss):
     """Random valid plans (a reorder every step, random intra-node replicas with random quota splits) give the
     static placement's losses, gradients and weights in logical order; the dispatcher hands every slot exactly
     its quota; a checkpoint saved under the final placement loads under the static one (weights and Adam
@@ -72,7 +73,17 @@ def test_any_plan_equals_static(ep, gpn, replicas, recompute, tokens):
         assert sum((p.slots_MLGJ[..., topo.num_home_slots :] >= 0).sum() for p in plans) > 0
     assert any((p.home_LE != static_home_LE(p.num_layers, topo)).any() for p in plans)
     ranks = run_ranks(
-        W.invariance_worker, ep, batches, plans, loads, replicas, gpn, None, recompute, timeout_s=300
+        W.invariance_worker,
+        ep,
+        batches,
+        plans,
+        loads,
+        replicas,
+        gpn,
+        None,
+        recompute,
+        aux_loss,
+        timeout_s=300,
     )
     H = topo.num_home_slots
     for rank, out in enumerate(ranks):

@@ -108,12 +108,18 @@ def loads_of(batches: list[list], num_experts: int) -> np.ndarray:
     return loads
 
 
-def _engine(ep: int, dispatcher: str | None = None, recompute: bool = False, optimizer: str = "auto"):
+def _engine(
+    ep: int,
+    dispatcher: str | None = None,
+    recompute: bool = False,
+    optimizer: str = "auto",
+    aux_loss: float = 0.0,
+):
     from tppo.config import ModelConfig, OptimConfig, ParallelConfig
     from tppo.engine.engine import MegatronEngine
 
     return MegatronEngine(
-        ModelConfig(**TINY),
+        ModelConfig(**TINY, router_aux_loss_coef=aux_loss),
         ParallelConfig(expert_parallel=ep, recompute=recompute),
         OptimConfig(lr=1e-2, grad_clip=0.0),
         seed=3,
@@ -161,25 +167,26 @@ def invariance_worker(
     gpn: int,
     dispatcher: str | None = None,
     recompute: bool = False,
+    aux_loss: float = 0.0,
 ) -> dict:
     """Static engine vs engine with the executor applying `plans`, on the same data; plus checkpoint loading."""
     from relibra.executor.executor import ExpertExecutor
 
     batches = [b[rank] for b in steps_batches]
     ep = len(steps_batches[0])
-    static = _engine(ep, dispatcher, recompute)
+    static = _engine(ep, dispatcher, recompute, aux_loss=aux_loss)
     ref = _train(static, batches)
-    engine = _engine(ep, dispatcher, recompute)
+    engine = _engine(ep, dispatcher, recompute, aux_loss=aux_loss)
     executor = ExpertExecutor(engine, num_replica_slots=replicas, gpus_per_node=gpn)
     got = _train(engine, batches, executor, plans, loads)
     placement = [list(layer.experts.logical_expert_ids) for layer in engine.moe_layers]
     # A checkpoint saved under the final (reordered) placement, loaded by an engine under the static one.
     sd = engine.state_dict()
-    fresh = _engine(ep, dispatcher, recompute)
+    fresh = _engine(ep, dispatcher, recompute, aux_loss=aux_loss)
     ExpertExecutor(fresh).load_checkpoint(sd)
     loaded = _hf_weights(fresh)
     # The same checkpoint again, keeping its placement this time.
-    kept = _engine(ep, dispatcher, recompute)
+    kept = _engine(ep, dispatcher, recompute, aux_loss=aux_loss)
     ExpertExecutor(kept).load_checkpoint(sd, keep_saved_placement=True)
     kept_placement = [list(layer.experts.logical_expert_ids) for layer in kept.moe_layers]
     kept_weights = _hf_weights(kept)
