@@ -10,8 +10,8 @@ rank, 8 GPUs per node), validated. For a few (micro-batch, layer) pairs it times
 - reroute: the executor's logical -> physical mapping (relibra.executor.reroute.reroute_routing) of the busiest
   source rank's N tokens (routing consistent with the loads), next to the home-only column permutation;
 - replica copy: the device-to-device copy of the rank's replica weights (bf16 W1 [2F, D] + W2 [D, F] per replica)
-  plus the concatenation home + replicas that the executor's weight provider does (a lower bound of the NVLink
-  push, which one device cannot measure);
+  plus the concatenation home + replica slots that the executor's weight provider does for every layer once
+  R > 0 (a lower bound of the NVLink push, which one device cannot measure);
 - expert compute (forward + backward, `tppo.engine.experts.grouped_swiglu` on torch._grouped_mm) of the rank
   the layer waits for (the most pairs), static (H slots) vs ReLibra (H + R slots with the planned quotas).
 Times are medians of CUDA-event timings after warm-up (host clock on CPU). Prints a table and writes JSON.
@@ -148,7 +148,8 @@ def _layer_row(args, topo, loads, static: Plan, plan: Plan, m: int, layer: int, 
     t_static = timer(_expert_step(static_served[g_static].tolist(), args.hidden, args.ffn, dtype, device))
     t_plan = timer(_expert_step(served[g_plan].tolist(), args.hidden, args.ffn, dtype, device))
     num_rep = int((plan.slots_MLGJ[m, layer, g_plan, H:] >= 0).sum())
-    t_copy = timer(_copy_step(num_rep, H, args.hidden, args.ffn, dtype, device)) if num_rep else 0.0
+    # The executor concatenates home + replica slots whenever R > 0, even when no replica is filled.
+    t_copy = timer(_copy_step(num_rep, H, args.hidden, args.ffn, dtype, device))
     # Reroute of the busiest source rank's tokens (its pairs follow the plan's quotas exactly).
     s = int(loads[m, layer].sum(1).argmax())
     ids = torch.as_tensor(
