@@ -63,3 +63,23 @@ def test_non_finite_loss_skips_the_update_and_weights_stay():
         after = trainer.forward(batches)[0][0].logprobs_BT
         assert result.skipped
         assert torch.equal(before, after)
+
+
+@pytest.mark.slow
+def test_a_rank_holding_only_filler_rows_trains_without_hanging(monkeypatch):
+    """One finished sample on two expert-parallel critic ranks: rank 1 gets a zero-mask filler row and must
+    still run the same backward collectives as rank 0."""
+    import tppo.roles
+
+    monkeypatch.setattr(tppo.roles, "CALL_TIMEOUT_S", 180.0)
+    cfg = ExperimentConfig()
+    parallel = ParallelConfig(expert_parallel=2, micro_batch_size=2)
+    with ray_session(ClusterConfig(object_store_mb=100, cpus_per_node=2)):
+        group = start_trainers("critic", cfg, parallel, 2, True, total_steps=4)
+        critic = Trainer(group, micro_batch_size=2, routing=False)
+        sample = _sample("only")
+        sample.finished, sample.reward = True, 1.0
+        batches = critic.critic_batches([sample])
+        assert batches[1][0].payload.mask_BT.sum() == 0  # the filler
+        result = critic.train(batches, tppo.roles.value_objective(cfg, batches))
+        assert not result.skipped and result.grad_norm > 0

@@ -437,7 +437,11 @@ class MegatronEngine:
             raise ValueError(f"LossOutput.denominator must be a non-negative whole number, got {den_value}")
         num = torch.tensor(int(den_value), dtype=torch.int, device=self.groups.device)
         metrics = {"loss_sum": float(lo.loss_sum.detach()), "denominator": den_value, **lo.metrics}
-        return lo.loss_sum, num, metrics
+        # Every rank must run the same backward collectives (expert and sequence parallelism exchange tokens
+        # in backward too). A loss that does not reach the model output, e.g. a micro-batch whose masks are all
+        # zero, would skip them on one rank and hang the others: tie it to the output with a zero weight.
+        loss_sum = lo.loss_sum + 0.0 * output_tensor.float().sum()
+        return loss_sum, num, metrics
 
     def _per_token(self, mb: _MicroBatch, output_BSV: torch.Tensor, *, with_entropy: bool) -> ForwardOutput:
         batch = mb.batch
