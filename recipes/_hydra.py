@@ -9,6 +9,7 @@ join fields raise `ConfigError`, which ends the run with one line on stderr and 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -20,7 +21,7 @@ from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from tppo.config import ConfigError, ExperimentConfig
@@ -48,7 +49,10 @@ def register_schema(schema: Schema = EXPERIMENT) -> None:
 
 def to_config(cfg: DictConfig, schema: Schema) -> Any:
     """Convert Hydra's composed config to the schema's dataclasses, once, and validate it."""
-    cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
+    if "hydra" in cfg:  # a config composed with return_hydra_config: drop Hydra's own node, keep the schema
+        cfg = copy.deepcopy(cfg)
+        with open_dict(cfg):
+            del cfg["hydra"]
     try:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:

@@ -70,9 +70,12 @@ def grouped_swiglu(
 ) -> torch.Tensor:
     """SwiGLU experts over expert-sorted tokens: y = (silu(x W_gate^T) * (x W_up^T) * p) W_down^T per expert."""
     if x_NH.shape[0] == 0:
-        # No token reached these experts (grouped_mm's backward rejects empty inputs): keep the inputs in
-        # the graph so that their gradients are zeros rather than missing.
-        return x_NH.new_zeros(0, w2_EHF.shape[1]) + 0.0 * (x_NH.sum() + w1_E2FH.sum() + w2_EHF.sum())
+        # No token reached these experts (grouped_mm's backward rejects empty inputs): keep every input in
+        # the graph, the routing probabilities too, so that their gradients are zeros rather than missing. A
+        # missing gradient would skip the backward of the dispatcher's gather on this rank alone, and the
+        # expert-parallel peers would hang in that collective.
+        keep = x_NH.sum() + probs_N.sum() + w1_E2FH.sum() + w2_EHF.sum()
+        return x_NH.new_zeros(0, w2_EHF.shape[1]) + 0.0 * keep
     grouped = _grouped_mm_supported(x_NH, x_NH.shape[1], w1_E2FH.shape[1], w2_EHF.shape[2])
     if grouped:
         offs_E = torch.cumsum(tokens_per_expert_E.to(device=x_NH.device), 0).to(torch.int32)
