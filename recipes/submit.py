@@ -350,6 +350,8 @@ class SlurmSweepCheck(_Callback):  # type: ignore[misc,valid-type]
         except Exception as err:
             fail(f"cannot check the sweep before submitting it: {type(err).__name__}: {err}")
         os.environ["RELIBRA_REPO"] = str(REPO_ROOT)
+        # The jobs' Ray bring-up must use this interpreter (the one with ray), not whatever python3 is on PATH.
+        os.environ.setdefault("RAY_CLUSTER_PYTHON", sys.executable)
         os.environ.setdefault("RAY_OBJECT_STORE_MB", str(config.cluster.object_store_mb))
         print(
             f"slurm sweep: {count} job(s) checked for {allocation.num_nodes} node(s) x "
