@@ -14,14 +14,11 @@ steps of one are what the verifier wants. Vocabulary: numbers 0..59 are their ow
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 MAX_NUMBER = 60
 BOS, EOS, SEP, PAD = MAX_NUMBER, MAX_NUMBER + 1, MAX_NUMBER + 2, MAX_NUMBER + 3
 VOCAB_SIZE = MAX_NUMBER + 4
-TOKEN_NAMES = {BOS: "<bos>", EOS: "<eos>", SEP: "<sep>", PAD: "<pad>"}
 
 
 def check_start(n: int) -> int:
@@ -91,11 +88,3 @@ def score(prompt: list[int] | np.ndarray, response: list[int] | np.ndarray) -> f
         seen.add(tok)
         prev = tok
     return 2.0 * valid / (n + 1) - 1.0
-
-
-def expected_windows(n: int, window: int) -> int:
-    return math.ceil((n + 1) / window)
-
-
-def decode(ids: list[int] | np.ndarray) -> str:
-    return " ".join(TOKEN_NAMES.get(int(t), str(int(t))) for t in ids)

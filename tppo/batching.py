@@ -108,7 +108,7 @@ def _routing_rows(samples: Sequence[Sample], width: int) -> torch.Tensor | None:
     return out
 
 
-def _base(samples: Sequence[Sample], filler: Sequence[bool], routing: bool) -> tuple[TrainBatch, int]:
+def _base(samples: Sequence[Sample], routing: bool) -> tuple[TrainBatch, int]:
     seqs = [sequence_ids(s) for s in samples]
     width = max(len(x) for x in seqs)
     attention = _padded([np.ones(len(x)) for x in seqs], width, dtype=torch.long)
@@ -135,7 +135,7 @@ def policy_batch(
     samples: Sequence[Sample], filler: Sequence[bool], advantages: Sequence[np.ndarray], routing: bool
 ) -> TrainBatch:
     """A policy micro-batch; `advantages[i]` holds the window tokens' advantages of sample i."""
-    batch, width = _base(samples, filler, routing)
+    batch, width = _base(samples, routing)
     windows, responses, adv, rollout = [], [], [], []
     for s, is_filler, a in zip(samples, filler, advantages):
         w, resp = _window_rows(s, not is_filler)
@@ -163,7 +163,7 @@ def policy_batch(
 
 def critic_batch(samples: Sequence[Sample], filler: Sequence[bool], routing: bool) -> TrainBatch:
     """A critic micro-batch over finished responses: MC targets R on every response token."""
-    batch, width = _base(samples, filler, routing)
+    batch, width = _base(samples, routing)
     masks, returns, old = [], [], []
     for s, is_filler in zip(samples, filler):
         _, resp = _window_rows(s, not is_filler)

@@ -111,15 +111,6 @@ class SupervisedObjective:
         )
 
 
-def count(batches: list[list[TrainBatch]], field: str) -> int:
-    """Sum of a payload mask over every rank's micro-batches (the batch-level denominator)."""
-    total = 0
-    for rank in batches:
-        for b in rank:
-            total += int(getattr(b.payload, field).sum())
-    return total
-
-
 def positive_tokens(batches: list[list[TrainBatch]]) -> int:
     total = 0
     for rank in batches:
@@ -137,7 +128,6 @@ __all__ = [
     "PolicyObjective",
     "SupervisedObjective",
     "ValueObjective",
-    "count",
     "live_rows",
     "positive_tokens",
 ]

@@ -8,7 +8,6 @@ names the role and rank, never a hang: every remote call waits with a timeout.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,7 @@ import numpy as np
 from tppo.batching import Placement, critic_batch, place, policy_batch, split_for_ranks
 from tppo.config import ExperimentConfig, ParallelConfig
 from tppo.engine.batch import StepResult, TrainBatch
+from tppo.engine.parallel import free_port
 from tppo.objectives import PolicyObjective, SupervisedObjective, ValueObjective, live_rows, positive_tokens
 from tppo.pool import Sample
 from tppo.workers import RankSpec, TrainerWorker
@@ -27,12 +27,6 @@ CALL_TIMEOUT_S = 1800.0
 
 class RoleError(RuntimeError):
     """A role's process died or failed; the message names the role and rank."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RankGroup:
@@ -62,20 +56,13 @@ class RankGroup:
         except ray.exceptions.RayTaskError as err:
             raise RoleError(f"{self.name}.{method}() failed: {err}") from err
 
-    def kill(self) -> None:
-        if self.remote:
-            import ray
-
-            for h in self.handles:
-                ray.kill(h, no_restart=True)
-
 
 def start_trainers(
     role: str, cfg: ExperimentConfig, parallel: ParallelConfig, num_ranks: int, remote: bool, total_steps: int
 ) -> RankGroup:
     """Start `num_ranks` TrainerWorkers of `role` (Ray actors when `remote`), wait until all are built."""
     optim = cfg.algo.actor_optim if role == "policy" else cfg.algo.critic_optim
-    port = _free_port()
+    port = free_port()
     gpus = 1.0 if cfg.cluster.gpus_per_node else 0.0
     handles = []
     for rank in range(num_ranks):

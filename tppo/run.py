@@ -19,7 +19,7 @@ import torch
 
 from tppo import checkpoint
 from tppo.balance import LoadPlanner
-from tppo.batching import place, split_for_ranks
+from tppo.batching import place, policy_batch, split_for_ranks
 from tppo.cluster import ray_session
 from tppo.config import ExperimentConfig, ParallelConfig
 from tppo.driver import Roles, rl_step
@@ -85,8 +85,6 @@ def _demo_sample(prompt, response: list[int], i: int) -> Sample:
 
 
 def _sft_batch(samples, filler):
-    from tppo.batching import policy_batch
-
     batch = policy_batch(samples, filler, [np.zeros(s.num_response_tokens) for s in samples], routing=False)
     batch.loss_mask_BT = batch.payload.response_mask_BT
     return batch
@@ -157,7 +155,8 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
         )
         if not resumed:
             history["warm_start_nll"] = warm_start(cfg, task, roles.policy)
-        _export_for_rollout(cfg, roles, out / "rollout_init")
+        # The rollout engine starts from the policy's current weights (warm-started or resumed).
+        roles.policy.ranks.call("export_hf", None, str(out / "rollout_init"))
         roles.rollout = start_rollout(cfg, out / "rollout_init", remote=True)
         with MetricsLogger(
             out,
@@ -217,10 +216,6 @@ def _start_roles(cfg: ExperimentConfig) -> Roles:
         rollout=None,
         planner=planner,
     )
-
-
-def _export_for_rollout(cfg: ExperimentConfig, roles: Roles, hf_dir: Path) -> None:
-    roles.policy.ranks.call("export_hf", None, str(hf_dir))
 
 
 def _remember(history: dict[str, Any], m: dict[str, float]) -> None:

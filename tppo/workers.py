@@ -12,7 +12,6 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -95,9 +94,6 @@ class TrainerWorker:
         from tppo.checkpoint import load_file
 
         self.engine.load_state_dict(load_file(Path(path)))
-
-    def rng_state(self) -> dict[str, Any]:
-        return {"torch": torch.get_rng_state()}
 
     def lr(self) -> float:
         return self.engine.lr
