@@ -253,3 +253,45 @@ def test_duplicate_prompt_ids_are_refused(tmp_path):
     cfg.data = DataConfig(source="dataset", path=str(path), tokenizer="builtin:char", template="math_chat")
     with pytest.raises(ValueError, match=r"id 'a' is used by .*dup.jsonl:1 and .*dup.jsonl:2"):
         build_task(cfg)
+
+
+# --------------------------------------------------------------------------------------------- the loop
+@needs_data
+@pytest.mark.slow
+@pytest.mark.dist
+def test_two_training_steps_of_gsm8k_tiny(tmp_path, monkeypatch):
+    """Step 0 cuts every response at its 8-token window; step 1 finishes them at L_max = 16 and the math
+    verifier scores them (a random model writes no right answer: -1). Warm start on GSM8K's demonstrations,
+    then critic and policy updates in both steps, EP = 2 over Ray on CPU (about 3 minutes on 2 busy cores)."""
+    import torch
+
+    from tppo.run import train
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    torch.set_num_threads(1)
+    cfg = _cfg(
+        f"run.output_dir={tmp_path}",
+        "run.name=two_steps",
+        "run.num_steps=2",
+        "run.save_every=0",
+        "algo.window=8",
+        "algo.max_response_length=16",
+        "algo.critic_warmup_steps=0",
+        "algo.warm_start_steps=1",
+        "logging=disabled",
+        "cluster.object_store_mb=100",
+    )
+    summary = train(cfg)
+    assert summary["steps"] == 2
+    rows = [json.loads(line) for line in (tmp_path / "two_steps" / "metrics.jsonl").read_text().splitlines()]
+    first, second = rows
+    assert first["rollout/cut_fraction"] == 1.0 and first["rollout/finished"] == 0.0
+    assert second["rollout/finished"] == cfg.algo.batch_size
+    assert second["rollout/multi_window_fraction"] == 1.0 and second["rollout/overlong_fraction"] == 1.0
+    assert second["rollout/reward_mean"] == -1.0 and summary["reward_last"] == -1.0
+    for row in rows:
+        assert row["rollout/reward_failures"] == 0.0 and row["rollout/reward_timeouts"] == 0.0
+        assert row["tppo/skipped_updates"] == 0.0
+    assert second["critic/returns_mean"] == -1.0
+    assert (tmp_path / "two_steps" / "checkpoints").is_dir()
