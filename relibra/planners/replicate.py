@@ -81,73 +81,118 @@ def _split_loads_BQH(loads_MLSE: np.ndarray, slots_LGH: np.ndarray, topo: Topolo
 
 
 class _Greedy:
-    """Vectorised state of the greedy over all problems (see the module docstring)."""
+    """Vectorised state of the greedy over all problems (see the module docstring).
+
+    Per-GPU rows are flattened to b * Q + q so that the hot GPU's experts are one row take; `copy_BXQ` (flattened
+    to rows b * Q * H + expert) holds 1 + the replica slot of GPU q that copies the expert (0: no copy), and
+    `num_free_BQ` the free replica slots (slots fill in order and never empty), so no step scans the slots.
+    """
 
     def __init__(
-        self, near_BQH, far_BQH, num_replica_slots: int, min_pairs: int, eps: float, tile: int, kappa
+        self,
+        near_BQH,
+        far_BQH,
+        num_replica_slots: int,
+        min_pairs: int,
+        eps: float,
+        tile: int,
+        kappa,
+        patience,
     ):
         B, Q, H = near_BQH.shape
-        self.Q, self.H, self.R = Q, H, num_replica_slots
+        R = num_replica_slots
+        self.B, self.Q, self.H, self.R = B, Q, H, R
         self.min_pairs, self.eps, self.tile, self.kappa = max(min_pairs, 1), eps, tile, kappa
-        self.rem = np.stack([near_BQH, far_BQH], axis=1).astype(np.int64)  # [B, 2, Q, H]: item 0 near, 1 far
-        self.load_C = self.rem.sum(axis=(1, 3)).astype(np.float64)  # [B, Q]
-        self.load_F = self.rem[:, 1].sum(axis=-1).astype(np.float64)
+        self.near = np.array(near_BQH, dtype=np.int64).reshape(B * Q, H)  # remaining at home (a copy)
+        self.far = np.array(far_BQH, dtype=np.int64).reshape(B * Q, H)
+        self.load_C = (self.near.sum(axis=1) + self.far.sum(axis=1)).reshape(B, Q).astype(np.float64)
+        self.load_F = self.far.sum(axis=1).reshape(B, Q).astype(np.float64)
         self.T_C = np.ceil(self.load_C.sum(axis=-1) / Q)
         self.T_F = self.load_F.sum(axis=-1) / Q
-        self.local = np.full((B, Q, num_replica_slots), -1, dtype=np.int64)
-        self.rep = np.zeros((B, 2, Q, num_replica_slots), dtype=np.int64)
+        self.local = np.full((B, Q, R), -1, dtype=np.int64)
+        self.rep_near = np.zeros((B, Q, R), dtype=np.int64)
+        self.rep_far = np.zeros((B, Q, R), dtype=np.int64)
+        self.copy = np.zeros((B * Q * H, Q), dtype=np.int8)
+        self.num_free = np.full((B, Q), R, dtype=np.int64)
         self.blocked = np.zeros((B, 2), dtype=bool)  # resource 0 compute, 1 NIC
+        self.patience = patience
+        self.restart()
+
+    def restart(self) -> None:
+        """Start a pass: every problem unblocked, no stale moves."""
+        self.blocked[:] = False
+        self.best_obj = np.full(self.B, np.inf)
+        self.stale = np.zeros(self.B, dtype=np.int64)
+
+    def result(self) -> ReplicaSet:
+        B, Q, H = self.B, self.Q, self.H
+        return ReplicaSet(
+            self.local, self.rep_near, self.rep_far, self.near.reshape(B, Q, H), self.far.reshape(B, Q, H)
+        )
 
     def step(self, active: np.ndarray) -> np.ndarray:
         """One move in every active problem; returns the problems that stay active."""
+        Q, H = self.Q, self.H
         C, F = self.load_C[active], self.load_F[active]
         T_C, T_F = self.T_C[active], self.T_F[active]
+        max_C, max_F = C.max(axis=1), F.max(axis=1)
         # How far the hottest GPU is above each target, in compute pairs (0 within eps or when blocked).
-        over_C = np.maximum(C.max(axis=1) - T_C * (1 + self.eps), 0.0)
-        over_F = self.kappa * np.maximum(F.max(axis=1) - T_F * (1 + self.eps), 0.0)  # T_F = inf: kappa is 0
-        over_C[self.blocked[active, 0]] = 0.0
-        over_F[self.blocked[active, 1]] = 0.0
-        live = (over_C > 0) | (over_F > 0)
+        over_C = np.maximum(max_C - T_C * (1 + self.eps), 0.0)
+        over_F = self.kappa * np.maximum(max_F - T_F * (1 + self.eps), 0.0)  # T_F = inf: kappa is 0
+        blocked = self.blocked[active]
+        over_C[blocked[:, 0]] = 0.0
+        over_F[blocked[:, 1]] = 0.0
+        # A problem whose max C + kappa max F has not fallen for `patience` moves is done: what is left are tiny
+        # moves that trade one resource's maximum for the other's (measured: cycles of a few hundred pairs).
+        obj = max_C + self.kappa * max_F
+        improved = obj < self.best_obj[active] - 0.5
+        self.best_obj[active] = np.where(improved, obj, self.best_obj[active])
+        self.stale[active] = np.where(improved, 0, self.stale[active] + 1)
+        live = ((over_C > 0) | (over_F > 0)) & (self.stale[active] <= self.patience)
         if not live.all():
-            active, C, F, T_C, T_F, over_C, over_F = (
-                a[live] for a in (active, C, F, T_C, T_F, over_C, over_F)
+            active, C, F, T_C, T_F, over_C, over_F, max_C, max_F = (
+                a[live] for a in (active, C, F, T_C, T_F, over_C, over_F, max_C, max_F)
             )
         if not len(active):
             return active
-        res = (over_F > over_C).astype(np.int64)  # 1: NIC-bound, move far pairs
+        nic = over_F > over_C  # NIC-bound: move far pairs
+        res = nic.astype(np.int64)
         rows = np.arange(len(active))
-        own = np.where(res == 1, F.argmax(axis=1), C.argmax(axis=1))  # hot GPU
-        excess = np.where(res == 1, F[rows, own] - T_F, C[rows, own] - T_C)
-        near, far = self.rem[active, 0, own], self.rem[active, 1, own]  # [A, H]: the hot GPU's experts
-        slack_C = T_C[:, None] - C
-        slack_F = T_F[:, None] - F
+        own = np.where(nic, F.argmax(axis=1), C.argmax(axis=1))  # hot GPU
+        excess = np.where(nic, F[rows, own] - T_F, C[rows, own] - T_C)
+        near, far = (
+            self.near.take(active * Q + own, axis=0),
+            self.far.take(active * Q + own, axis=0),
+        )  # [A, H]
         # Compute moves take near pairs first, then far pairs up to what keeps the destination's NIC load at or
         # below the node's current maximum; NIC moves take far pairs and may lift the destination's compute up to
         # the node's current maximum. Neither raises the other resource's maximum (max C + kappa max F only falls).
         if self.kappa:
-            nic_room = np.floor(np.maximum(F.max(axis=1, keepdims=True), T_F[:, None]) - F)
+            nic_room = np.floor(np.maximum(max_F, T_F)[:, None] - F)
         else:
             nic_room = np.full(F.shape, np.inf)
-        room_C = np.maximum(C.max(axis=1, keepdims=True), T_C[:, None]) - C
-        slack = np.where(res[:, None] == 1, np.minimum(slack_F, room_C), slack_C)  # [A, Q]
-        cold = np.where(res[:, None] == 1, F, C)
-        key = np.where(res[:, None] == 1, far, near + far)
+        nic_col = nic[:, None]
+        slack = np.where(
+            nic_col, np.minimum(T_F[:, None] - F, np.maximum(max_C, T_C)[:, None] - C), T_C[:, None] - C
+        )
+        cold = np.where(nic_col, F, C)
+        key = np.where(nic_col, far, near + far)
         order = np.argsort(-key, axis=1, kind="stable")  # hottest movable expert first
-        free = (self.local[active] == -1).any(axis=-1)  # [A, Q]
-        not_own = np.arange(self.Q)[None, :] != own[:, None]
+        free = self.num_free[active] > 0  # [A, Q]
+        not_own = np.arange(Q)[None, :] != own[:, None]
         pick_h = np.full(len(active), -1)
         pick_q = np.zeros(len(active), dtype=np.int64)
         pick_x = np.zeros(len(active), dtype=np.int64)
         pending = rows
-        for k in range(self.H):  # try experts hottest first until one has a legal move
-            pending = pending[key[pending, order[pending, k]] > 0]
+        for k in range(H):  # try experts hottest first until one has a legal move
+            h = order[pending, k]
+            go = key[pending, h] > 0
+            pending, h = pending[go], h[go]
             if not len(pending):
                 break
-            h = order[pending, k]
             n, f = near[pending, h][:, None], far[pending, h][:, None]
-            movable = np.where(res[pending, None] == 1, f, n + np.minimum(f, nic_room[pending]))  # [P, Q]
-            expert = own[pending] * self.H + h
-            existing = (self.local[active[pending]] == expert[:, None, None]).any(axis=-1)
+            movable = np.where(nic_col[pending], f, n + np.minimum(f, nic_room[pending]))  # [P, Q]
+            existing = self.copy.take((active[pending] * Q + own[pending]) * H + h, axis=0) > 0
             ex = excess[pending, None]
             want = np.where(existing, ex, np.maximum(ex, self.min_pairs))
             amount = np.minimum(np.floor(np.minimum(want, slack[pending])), movable).astype(np.int64)
@@ -171,42 +216,46 @@ class _Greedy:
         updates touch the same GPU pair), move near pairs between the owner's home instance and the copy, half the
         load difference, never leaving a copy below the minimum quota. The maximum never rises; it frees slack on
         GPUs whose slots are taken so that the greedy can continue ("chains" of moves through existing copies)."""
-        H = self.H
+        Q, H = self.Q, self.H
         for _ in range(num_rounds):
-            for q in range(self.Q):
+            for q in range(Q):
                 for r in range(self.R):
                     e = self.local[:, q, r]
                     b = np.flatnonzero(e >= 0)
                     if not len(b):
                         continue
                     o, h = e[b] // H, e[b] % H
+                    home_row = b * Q + o
                     gap = self.load_C[b, o] - self.load_C[b, q]
                     half = np.floor(np.abs(gap) / 2).astype(np.int64)
-                    copy = self.rep[b, 0, q, r] + self.rep[b, 1, q, r]
-                    forward = np.minimum(half, self.rem[b, 0, o, h])
-                    backward = np.minimum(np.minimum(half, self.rep[b, 0, q, r]), copy - self.min_pairs)
+                    copy = self.rep_near[b, q, r] + self.rep_far[b, q, r]
+                    forward = np.minimum(half, self.near[home_row, h])
+                    backward = np.minimum(np.minimum(half, self.rep_near[b, q, r]), copy - self.min_pairs)
                     x = np.where(gap > 0, forward, -np.maximum(backward, 0))
-                    self.rem[b, 0, o, h] -= x
-                    self.rep[b, 0, q, r] += x
+                    self.near[home_row, h] -= x
+                    self.rep_near[b, q, r] += x
                     self.load_C[b, o] -= x
                     self.load_C[b, q] += x
 
     def _apply(self, b, res, own, h, q, x) -> None:
-        expert = own * self.H + h
-        row_slots = self.local[b, q]
-        is_copy = row_slots == expert[:, None]
-        r = np.where(is_copy.any(axis=1), is_copy.argmax(axis=1), (row_slots == -1).argmax(axis=1))
-        x_near = np.where(res == 1, 0, np.minimum(x, self.rem[b, 0, own, h]))
+        Q, H = self.Q, self.H
+        home_row = b * Q + own
+        copy_row = home_row * H + h
+        slot = self.copy[copy_row, q].astype(np.int64)
+        r = np.where(slot > 0, slot - 1, self.R - self.num_free[b, q])
+        x_near = np.where(res == 1, 0, np.minimum(x, self.near[home_row, h]))
         x_far = x - x_near
-        self.rem[b, 0, own, h] -= x_near
-        self.rem[b, 1, own, h] -= x_far
+        self.near[home_row, h] -= x_near
+        self.far[home_row, h] -= x_far
         self.load_C[b, own] -= x
         self.load_C[b, q] += x
         self.load_F[b, own] -= x_far
         self.load_F[b, q] += x_far
-        self.local[b, q, r] = expert
-        self.rep[b, 0, q, r] += x_near
-        self.rep[b, 1, q, r] += x_far
+        self.local[b, q, r] = own * H + h
+        self.copy[copy_row, q] = r + 1
+        self.num_free[b, q] -= slot == 0
+        self.rep_near[b, q, r] += x_near
+        self.rep_far[b, q, r] += x_far
         self.blocked[b] = False
 
 
@@ -221,26 +270,30 @@ def greedy_replicas(
     max_moves: int = 0,
     num_passes: int = 2,
     num_relax_rounds: int = 1,
+    patience: int | None = None,
 ) -> ReplicaSet:
     """Run the greedy of the module docstring on every problem; near/far_BQH int [B, Q, H] pairs of home experts.
 
     kappa = 0 ignores NIC balance: the spec's token greedy (copies take near pairs first, then far ones).
+    patience: moves without a fall of max C + kappa max F before a problem stops (default 2 Q: enough to lower
+    every GPU of a tie at the maximum).
     """
     B, Q, H = near_BQH.shape
-    state = _Greedy(near_BQH, far_BQH, num_replica_slots, min_pairs, eps, tile, kappa)
+    patience = 2 * Q if patience is None else patience
+    state = _Greedy(near_BQH, far_BQH, num_replica_slots, min_pairs, eps, tile, kappa, patience)
     if kappa == 0:
         state.T_F[:] = np.inf  # NIC load is not balanced: never the binding resource
     if num_replica_slots == 0 or Q == 1:
-        return ReplicaSet(state.local, state.rep[:, 0], state.rep[:, 1], state.rem[:, 0], state.rem[:, 1])
+        return state.result()
     for _ in range(num_passes):
-        state.blocked[:] = False
+        state.restart()
         active = np.arange(B)
         for _ in range(max_moves or 4 * Q * (num_replica_slots + H)):
             if not len(active):
                 break
             active = state.step(active)
         state.relax(num_relax_rounds)
-    return ReplicaSet(state.local, state.rep[:, 0], state.rep[:, 1], state.rem[:, 0], state.rem[:, 1])
+    return state.result()
 
 
 def northwest_segments(demand_XS: np.ndarray, capacity_XK: np.ndarray):
@@ -329,9 +382,14 @@ def split_quota_MLGJS(
         gm[rep_rows], gl[rep_rows], gpu_XI[rep_rows, rep_cols + 1], groups.slot_XI[rep_rows, rep_cols + 1]
     ] = ge[rep_rows]
     X = len(gb)
+    J = H + R
+    base_XI = (
+        (gm[:, None] * L + gl[:, None]) * G + np.maximum(gpu_XI, 0)
+    ) * J + groups.slot_XI  # (m, l, g, j)
+    flat = quota.reshape(-1, S)
     # Locality first; a dummy source column S absorbs the padding so that fancy updates never collide.
     demand = np.zeros((X, S + 1), dtype=np.int64)
-    demand[:, :S] = loads_MLSE[gm, gl, :, ge]
+    demand[:, :S] = flat.take(base_XI[:, 0], axis=0)  # the home row holds every pair of the expert
     rows = np.arange(X)[:, None]
     src = np.where(valid, gpu_XI, S)
     local = np.where(valid, np.minimum(demand[rows, src], groups.near_XI), 0)
@@ -343,12 +401,7 @@ def split_quota_MLGJS(
         node_S[None, :] == np.arange(Z)[:, None], axis=1, kind="stable"
     )  # far sources first
     order = order_ZS[gz]
-    J = H + R
-    base_XI = (
-        (gm[:, None] * L + gl[:, None]) * G + np.maximum(gpu_XI, 0)
-    ) * J + groups.slot_XI  # (m, l, g, j)
-    flat = quota.reshape(-1, S)
-    flat[base_XI[:, 0]] = 0  # the home rows held every pair of the expert
+    flat[base_XI[:, 0]] = 0  # the north-west passes and the local pairs refill the home rows
     size_X = valid.sum(axis=1)
     shares = np.take_along_axis(demand, order, axis=1)
     near_left = groups.near_XI - local
