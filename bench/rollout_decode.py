@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout import RolloutEngine, SamplingParams
 from rollout.config import RolloutConfig
+from rollout.cuda_graphs import DecodeInputs
 from rollout.engine import key_bucket
 
 QWEN3_30B_A3B = dict(
@@ -177,6 +178,7 @@ def run_engine(args, cfg: dict, device: torch.device, dtype: torch.dtype) -> lis
                 "cuda_graphs": st.cuda_graphs,
                 "num_graphs": st.num_graphs,
                 "capture_error": engine.runner.capture_error,
+                "flash_decode_attention": engine.model.flash_decode,
                 "kernel_profile": profile,
             }
         )
@@ -191,27 +193,39 @@ def run_engine(args, cfg: dict, device: torch.device, dtype: torch.dtype) -> lis
     return rows
 
 
-def time_replay(engine: RolloutEngine, batch: int, args, device: torch.device) -> float:
-    """Median time of the model part of one decode step (graph replay, or the eager forward) at the mid length."""
+def step_inputs(engine: RolloutEngine, batch: int, args) -> tuple[DecodeInputs, int]:
+    """A decode step of the padded batch at the middle of the generation, sampling at temperature 1."""
     b = engine._bucket(batch)
-    tokens = np.zeros(b, dtype=np.int64)
-    positions = np.full(b, args.prompt_len + args.new_tokens // 2, dtype=np.int64)
-    num_keys = key_bucket(int(positions.max()) + 1, engine.max_model_len)
+    inputs = DecodeInputs(
+        tokens_B=np.zeros(b, dtype=np.int64),
+        positions_B=np.full(b, args.prompt_len + args.new_tokens // 2, dtype=np.int64),
+        seeds_B=np.arange(b, dtype=np.uint64),
+        top_k_B=np.zeros(b, dtype=np.int64),
+        temperature_B=np.ones(b, dtype=np.float32),
+        top_p_B=np.ones(b, dtype=np.float32),
+    )
+    return inputs, key_bucket(int(inputs.positions_B.max()) + 1, engine.max_model_len)
+
+
+def time_replay(engine: RolloutEngine, batch: int, args, device: torch.device) -> float:
+    """Median time of one whole decode step of the runner (inputs in, graph replay or eager forward + sampling,
+    outputs on the host) at the mid length."""
+    inputs, num_keys = step_inputs(engine, batch, args)
     times = []
     with torch.inference_mode():
         for _ in range(3):
-            engine.runner.run(tokens, positions, num_keys)
+            engine.runner.run(inputs, num_keys)
         for _ in range(args.repeats):
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                engine.runner.run(tokens, positions, num_keys)
+                engine.runner.run(inputs, num_keys)
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end))
             else:
                 t0 = time.perf_counter()
-                engine.runner.run(tokens, positions, num_keys)
+                engine.runner.run(inputs, num_keys)
                 times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
 
@@ -220,17 +234,14 @@ def profile_step(engine: RolloutEngine, batch: int, args, device: torch.device) 
     """GPU kernels of one eager decode step (same kernels a graph replays): count, busy time, top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    b = engine._bucket(batch)
-    tokens = np.zeros(b, dtype=np.int64)
-    positions = np.full(b, args.prompt_len + args.new_tokens // 2, dtype=np.int64)
-    num_keys = key_bucket(int(positions.max()) + 1, engine.max_model_len)
+    inputs, num_keys = step_inputs(engine, batch, args)
     graphs, engine.runner.use_cuda_graphs = engine.runner.use_cuda_graphs, False
     try:
         with torch.inference_mode():
-            engine.runner.run(tokens, positions, num_keys)
+            engine.runner.run(inputs, num_keys)
             sync(device)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                engine.runner.run(tokens, positions, num_keys)
+                engine.runner.run(inputs, num_keys)
                 sync(device)
     finally:
         engine.runner.use_cuda_graphs = graphs

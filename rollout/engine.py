@@ -34,11 +34,11 @@ import numpy as np
 import torch
 
 from rollout.config import RolloutConfig
-from rollout.cuda_graphs import DecodeRunner
+from rollout.cuda_graphs import DecodeInputs, DecodeRunner
 from rollout.kv_cache import CachePlan, KVCache, available_bytes, plan_cache
 from rollout.model import MoeDecoder, PrefillPiece
 from rollout.model_spec import MoeModelSpec
-from rollout.sampling import SamplingParams, counter_uniform, sample
+from rollout.sampling import SamplingParams, counter_uniform_torch, sample
 from rollout.weights import WeightMap, allocate, init_random, load_checkpoint
 
 FINISH_REASONS = ("eos", "stop", "length")
@@ -297,12 +297,10 @@ class RolloutEngine:
     def _decode_step(self, rows: _Rows) -> list[_Request]:
         used = rows.used()
         b = self._bucket(used[-1] + 1)
-        positions = rows.position[:b].copy()
-        num_keys = key_bucket(int(positions.max()) + 1, self.max_model_len)
-        logits_BV, routes_BLK = self.runner.run(rows.token[:b].copy(), positions, num_keys)
-        tokens_B, logprobs_B = self._sample(logits_BV, rows, slice(0, b), positions + 1)
-        tokens, logprobs = tokens_B.tolist(), logprobs_B.tolist()
-        routes = routes_BLK.cpu().numpy().astype(self.route_dtype)
+        num_keys = key_bucket(int(rows.position[:b].max()) + 1, self.max_model_len)
+        out = self.runner.run(rows.inputs(b), num_keys)
+        tokens, logprobs = out.tokens_B.tolist(), out.logprobs_B.tolist()
+        routes = out.routes_BLK.astype(self.route_dtype)
         stats = self.last_stats
         stats.num_decode_steps += 1
         stats.num_decode_rows += b
@@ -323,14 +321,16 @@ class RolloutEngine:
         """One token per logits row, with the sampling parameters of rows[index] and the given counters."""
         temperature, top_p, top_k = rows.temperature[index], rows.top_p[index], rows.top_k[index]
         filtered = bool(((top_p < 1) | (top_k > 0)).any())
-        uniform = counter_uniform(rows.seed[index], counters)
         dev = self.device
+        uniform = counter_uniform_torch(
+            torch.from_numpy(rows.seed[index].view(np.int64)).to(dev), torch.from_numpy(counters).to(dev)
+        )
         return sample(
             logits_BV,
             torch.from_numpy(temperature).to(dev),
             torch.from_numpy(top_k).to(dev),
             torch.from_numpy(top_p).to(dev),
-            torch.from_numpy(uniform).to(dev),
+            uniform,
             filtered,
         )
 
@@ -391,6 +391,17 @@ class _Rows:
         self.top_k = np.zeros(n, dtype=np.int64)
         self.seed = np.zeros(n, dtype=np.uint64)
         self.num_used = 0
+
+    def inputs(self, b: int) -> DecodeInputs:
+        """The decode-step inputs of rows [0, b) (views: the runner copies them before the next change)."""
+        return DecodeInputs(
+            self.token[:b],
+            self.position[:b],
+            self.seed[:b],
+            self.top_k[:b],
+            self.temperature[:b],
+            self.top_p[:b],
+        )
 
     def used(self) -> list[int]:
         return [i for i, r in enumerate(self.req) if r is not None]

@@ -3,9 +3,15 @@ and decode (one token per slot row, fixed shapes so a CUDA graph can capture it)
 
 Numerics follow transformers' modeling code (RMSNorm in fp32, RoPE tables in fp32 cast to the model dtype,
 router softmax in fp32, top-k then optional renormalisation), so greedy tokens, log-probs and routing match it.
-The experts run as two `torch._grouped_mm` calls over the routed (token, expert) pairs sorted by expert; the
-weighted sum over the k experts of a token is one batched matmul (deterministic, unlike an atomic index_add).
+The experts run as two `torch._grouped_mm` calls over the routed (token, expert) pairs sorted by expert (a stable
+sort on int16 expert ids: a quarter of the radix passes of int64 keys, the same order); the weighted sum over
+the k experts of a token is one batched matmul (deterministic, unlike an atomic index_add).
 Every function is free of host synchronisation (no `.item()`, no data-dependent shapes) in the decode path.
+
+Decode attention: on CUDA (half precision) FlashAttention-2's variable-length kernel reads each slot's keys in
+place from the cache (cumulative key offsets slot * max_model_len, `seqused_k` = position + 1 keys per row, GQA
+without copying K/V); elsewhere one SDPA call with an additive mask over `[B, M, S, D]` cache views. The flash
+path is only taken after a probe on the device matched SDPA (`flash_decode_works`).
 
 Legend: T flat tokens, B decode rows (= cache slots), H hidden, C fused qkv width, N q heads, M kv heads,
 G q heads per kv head, D head dim, S attended positions, E experts, K top-k, R = T*K routed pairs,
@@ -73,9 +79,14 @@ class MoeDecoder:
         self.cache = cache
         device, dtype = weights.embed_VH.device, weights.embed_VH.dtype
         self.cos_PD, self.sin_PD = rope_tables(spec, cache.max_model_len, device, dtype)
-        self.experts_E = torch.arange(spec.num_experts, device=device)
+        self.sort_dtype = torch.int16 if spec.num_experts <= 2**15 else torch.int32
+        self.experts_E = torch.arange(spec.num_experts, device=device, dtype=self.sort_dtype)
         self.positions_P = torch.arange(cache.max_model_len, device=device)
         self.rows_S = torch.arange(cache.num_slots, device=device)
+        # Flash varlen decode: query b is token b; slot b's keys start at b * max_model_len of the flat cache.
+        self.query_starts_S1 = torch.arange(cache.num_slots + 1, device=device, dtype=torch.int32)
+        self.key_starts_S1 = self.query_starts_S1 * cache.max_model_len
+        self.flash_decode = False
 
     # ----------------------------------------------------------------------------------------- shared pieces
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -124,7 +135,7 @@ class MoeDecoder:
         expert; the k-sum is one batched matmul over the unsorted rows (deterministic, unlike index_add)."""
         num_tokens, k = ids_TK.shape
         f = self.spec.moe_ffn_size
-        sorted_ids_R, order_R = torch.sort(ids_TK.reshape(-1), stable=True)
+        sorted_ids_R, order_R = torch.sort(ids_TK.reshape(-1).to(self.sort_dtype), stable=True)
         offsets_E = torch.searchsorted(sorted_ids_R, self.experts_E, right=True, out_int32=True)
         x_RH = h_TH[order_R // k]
         gate_up_RF = torch._grouped_mm(x_RH, layer.gate_up_EFH.transpose(1, 2), offs=offsets_E)
@@ -183,17 +194,23 @@ class MoeDecoder:
         b, x_dtype = tokens_B.shape[0], self.weights.embed_VH.dtype
         cache_rows_B = self.rows_S[:b] * cache.max_model_len + positions_B
         cos_BD, sin_BD = self.cos_PD[positions_B], self.sin_PD[positions_B]
-        visible_BS = self.positions_P[:num_keys][None, :] <= positions_B[:, None]
-        # An additive mask built once per step (a boolean one is converted again in every layer's SDPA call).
-        mask_B11S = torch.zeros(b, 1, 1, num_keys, dtype=x_dtype, device=tokens_B.device).masked_fill_(
-            ~visible_BS.view(b, 1, 1, num_keys), float("-inf")
-        )
         groups = s.num_heads // s.num_kv_heads
+        num_keys_B = mask_B11S = None
+        if self.flash_decode:
+            num_keys_B = (positions_B + 1).to(torch.int32)
+        else:
+            # An additive mask built once per step (a boolean one is converted again in every layer's SDPA call).
+            hidden_BS = self.positions_P[:num_keys][None, :] > positions_B[:, None]
+            mask_B11S = torch.zeros(b, 1, 1, num_keys, dtype=x_dtype, device=tokens_B.device).masked_fill_(
+                hidden_BS.view(b, 1, 1, num_keys), float("-inf")
+            )
         x_BH = self.weights.embed_VH[tokens_B]
         ids = []
         for i, layer in enumerate(self.weights.layers):
 
             def attend(q_BND, _k, _v, i=i):
+                if num_keys_B is not None:
+                    return self._flash_decode_attention(i, q_BND, num_keys_B, num_keys)
                 # GQA without copying K/V: the G query heads of a kv head become G query rows of that head.
                 k_BMSD, v_BMSD = cache.keys_values(i, b, num_keys)
                 out_BMGD = F.scaled_dot_product_attention(
@@ -210,6 +227,28 @@ class MoeDecoder:
                 ids.append(ids_BK)
         routes_BLK.copy_(torch.stack(ids, dim=1))
         torch.mm(self._norm(x_BH, self.weights.final_norm_H), self.weights.lm_head_VH.t(), out=logits_BV)
+
+    def _flash_decode_attention(
+        self, layer_index: int, q_BND: torch.Tensor, num_keys_B: torch.Tensor, max_keys: int
+    ) -> torch.Tensor:
+        """softmax(q K^T / sqrt(D)) V of row b over the first num_keys_B[b] positions of slot b, as [B, N * D]."""
+        b = q_BND.shape[0]
+        k_flat, v_flat = self.cache.flat(layer_index)
+        out_BND = torch.ops.aten._flash_attention_forward(
+            q_BND,
+            k_flat,
+            v_flat,
+            self.query_starts_S1[: b + 1],
+            self.key_starts_S1[: b + 1],
+            1,
+            max_keys,
+            0.0,
+            False,
+            False,
+            scale=self.spec.head_dim**-0.5,
+            seqused_k=num_keys_B,
+        )[0]
+        return out_BND.reshape(b, self.spec.q_size)
 
     # ----------------------------------------------------------------------------------------- prefill
     def prefill(
@@ -317,3 +356,41 @@ class MoeDecoder:
             )
             out_TND[off : off + p.length] = o_1NQD[0].transpose(0, 1)
         return out_TND.view(q_TND.shape[0], s.q_size)
+
+
+def flash_decode_works(model: MoeDecoder) -> bool:
+    """Whether the flash varlen decode attention runs on this device and build and agrees with the SDPA path:
+    one decode-shaped call (4 rows, ragged lengths, the cache's real layout) compared with masked SDPA."""
+    cache, s = model.cache, model.spec
+    if cache.k_LSPND.device.type != "cuda" or cache.k_LSPND.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    device, dtype = cache.k_LSPND.device, cache.k_LSPND.dtype
+    rows = min(4, cache.num_slots)
+    lengths = [min(cache.max_model_len, n) for n in (1, 7, 33, 70)][:rows]
+    gen = torch.Generator(device=device).manual_seed(0)
+    saved = cache.k_LSPND[0, :rows].clone(), cache.v_LSPND[0, :rows].clone()
+    try:
+        for t in (cache.k_LSPND, cache.v_LSPND):
+            t[0, :rows].copy_(torch.randn(t[0, :rows].shape, generator=gen, device=device, dtype=dtype))
+        q_BXD = torch.randn(rows, s.num_heads + s.num_kv_heads, s.head_dim, generator=gen, device=device)
+        q_BND = q_BXD.to(dtype)[:, : s.num_heads]  # a strided view, like the q of the fused qkv projection
+        num_keys_B = torch.tensor(lengths, dtype=torch.int32, device=device)
+        out = model._flash_decode_attention(0, q_BND, num_keys_B, max(lengths)).float()
+        ref = []
+        for r, n in enumerate(lengths):
+            k_NSD, v_NSD = (x[0, r, :n].transpose(0, 1).float() for x in (cache.k_LSPND, cache.v_LSPND))
+            reps = s.num_heads // s.num_kv_heads
+            ref.append(
+                F.scaled_dot_product_attention(
+                    q_BND[r].float()[:, None, :],
+                    k_NSD.repeat_interleave(reps, 0),
+                    v_NSD.repeat_interleave(reps, 0),
+                    scale=s.head_dim**-0.5,
+                ).reshape(-1)
+            )
+        return bool((out - torch.stack(ref)).abs().max() < 2e-2)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    finally:
+        cache.k_LSPND[0, :rows].copy_(saved[0])
+        cache.v_LSPND[0, :rows].copy_(saved[1])

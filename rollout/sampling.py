@@ -3,7 +3,9 @@
 Randomness is counter based: the uniform number that picks token t of a request is a hash of (request seed,
 position t in the sequence), independent of which other requests share the batch, of the batch row and of
 whether the request was resumed from a prefix (a T-PPO window continues the same random stream). The token is
-drawn by inverse CDF: the first token whose cumulative probability exceeds u (float64 cumulative sums).
+drawn by inverse CDF: the first token whose cumulative probability exceeds u (float64 cumulative sums). The hash
+exists twice with identical bits: in numpy (`counter_uniform`, the reference) and in torch int64 arithmetic
+(`counter_uniform_torch`, which runs on the device inside the captured decode graph: no host work per step).
 
 Log-probs (the RL convention, what the trainer recomputes with logits / temperature): log softmax(logits / T)
 of the sampled token under the FULL temperature-scaled distribution, not the top-k/top-p truncated one. Greedy
@@ -21,7 +23,7 @@ import torch
 
 from rollout.params import SamplingParams
 
-__all__ = ["SamplingParams", "counter_uniform", "sample", "top_k_top_p_mask"]
+__all__ = ["SamplingParams", "counter_uniform", "counter_uniform_torch", "sample", "top_k_top_p_mask"]
 
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -41,6 +43,35 @@ def counter_uniform(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
     key = _splitmix64(seeds.astype(np.uint64))
     bits = _splitmix64(key ^ counters.astype(np.uint64))
     return (bits >> np.uint64(11)).astype(np.float64) / float(2**53)
+
+
+def _as_int64(c: int) -> int:
+    """The signed int64 with the same bits as the uint64 constant c."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_SPLITMIX = tuple(_as_int64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> on int64 is arithmetic: clear the sign-extended bits)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _splitmix64_torch(x: torch.Tensor) -> torch.Tensor:
+    """_splitmix64 on int64 tensors holding uint64 bits (two's-complement add and multiply wrap like uint64)."""
+    x = x + _SPLITMIX[0]
+    x = (x ^ _shr(x, 30)) * _SPLITMIX[1]
+    x = (x ^ _shr(x, 27)) * _SPLITMIX[2]
+    return x ^ _shr(x, 31)
+
+
+def counter_uniform_torch(seeds_B: torch.Tensor, counters_B: torch.Tensor) -> torch.Tensor:
+    """counter_uniform bit for bit, as float64 on the tensors' device; seeds_B are int64 holding the uint64 seed
+    bits (`np.uint64` seeds viewed as int64), counters_B int64 >= 0."""
+    key_B = _splitmix64_torch(seeds_B)
+    bits_B = _splitmix64_torch(key_B ^ counters_B)
+    return _shr(bits_B, 11).to(torch.float64) / float(2**53)
 
 
 def top_k_top_p_mask(scaled_BV: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor:

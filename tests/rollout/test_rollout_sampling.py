@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from rollout.sampling import counter_uniform, sample, top_k_top_p_mask
+from rollout.sampling import counter_uniform, counter_uniform_torch, sample, top_k_top_p_mask
 
 
 def _reference_keep(row: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
@@ -93,6 +93,18 @@ def test_counter_uniforms_are_reproducible_and_uniform():
     np.testing.assert_allclose(hist, 0.05, atol=0.004)
     other = counter_uniform(np.full(100_000, 4, dtype=np.uint64), np.arange(100_000))
     assert abs(np.corrcoef(u, other)[0, 1]) < 0.02
+
+
+def test_torch_counter_uniforms_equal_numpy_bit_for_bit():
+    rng = np.random.default_rng(1)
+    seeds = rng.integers(0, 2**64 - 1, size=50_000, dtype=np.uint64, endpoint=True)
+    seeds[:4] = [0, 1, 2**63, 2**64 - 1]
+    counters = rng.integers(0, 2**62, size=50_000)
+    counters[:4] = [0, 1, 2**62, 7]
+    expected = counter_uniform(seeds, counters)
+    got = counter_uniform_torch(torch.from_numpy(seeds.view(np.int64)), torch.from_numpy(counters))
+    assert got.dtype == torch.float64
+    np.testing.assert_array_equal(got.numpy(), expected)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,250 @@
+"""Kernel-level alternatives for one decode step of a Qwen3-30B-A3B-shaped layer (what the engine should use).
+
+    python bench/rollout_kernels.py --json bench/out/rollout_kernels.json   # H200
+    python bench/rollout_kernels.py --tiny --device cpu                     # smoke run of every variant
+
+Each variant is captured `--inner` times in one CUDA graph (so launch overhead is what a replayed decode graph
+pays), replayed `--repeats` times, timed with CUDA events; the table shows the median per call in microseconds
+and, for bandwidth-bound ops, the fraction of `--bandwidth` that its bytes imply. Variants:
+- experts: gate_up and down grouped GEMMs of B tokens x top-k (uniform random routing), weights [E, 2F, H] read
+  transposed (the engine's layout), weights stored [E, H, 2F], and the swapped form W x^T (3d x 2d, groups on N).
+- sort: stable sort of the B*K expert ids as int64 / int32 / int16 keys (+ searchsorted for the group offsets).
+- attention: masked SDPA over [B, M, S, D] views of the slot cache vs FlashAttention-2 varlen with seqused_k.
+- sample: the sampler on [B, V] bf16 logits, with and without the top-k/top-p sort.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rollout.sampling import counter_uniform_torch, sample
+
+FULL = dict(hidden=2048, ffn=768, experts=128, top_k=8, heads=32, kv_heads=4, head_dim=128, vocab=151936)
+TINY = dict(hidden=64, ffn=32, experts=16, top_k=4, heads=4, kv_heads=2, head_dim=16, vocab=512)
+
+
+def timed(fn, device: torch.device, inner: int, repeats: int) -> float:
+    """Median microseconds per call of fn (graph-captured `inner` times on CUDA)."""
+    if device.type != "cuda":
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return 1e6 * (time.perf_counter() - t0) / repeats
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / inner)
+    return statistics.median(times)
+
+
+def routed(c: dict, batch: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator(device="cpu").manual_seed(batch)
+    scores = torch.rand(batch, c["experts"], generator=gen)
+    return scores.topk(c["top_k"], dim=-1).indices.to(device)
+
+
+def bench_experts(c, batch, device, dtype, args) -> list[dict]:
+    h, f, e = c["hidden"], c["ffn"], c["experts"]
+    ids_TK = routed(c, batch, device)
+    sorted_R, _ = torch.sort(ids_TK.reshape(-1), stable=True)
+    offs_E = torch.searchsorted(sorted_R, torch.arange(e, device=device), right=True, out_int32=True)
+    x_RH = torch.randn(batch * c["top_k"], h, device=device, dtype=dtype)
+    gate_up_EFH = torch.randn(e, 2 * f, h, device=device, dtype=dtype) * 0.02
+    down_EHF = torch.randn(e, h, f, device=device, dtype=dtype) * 0.02
+    gate_up_EHF = gate_up_EFH.transpose(1, 2).contiguous()
+    down_EFH = down_EHF.transpose(1, 2).contiguous()
+    act_RF = torch.randn(batch * c["top_k"], f, device=device, dtype=dtype)
+    x_HR, act_FR = x_RH.t().contiguous().t(), act_RF.t().contiguous().t()
+    element = torch.empty((), dtype=dtype).element_size()
+    touched = len(torch.unique(ids_TK))
+    variants = {
+        "gate_up [E,2F,H]^T": (
+            lambda: torch._grouped_mm(x_RH, gate_up_EFH.transpose(1, 2), offs=offs_E),
+            2 * f,
+        ),
+        "gate_up [E,H,2F]": (lambda: torch._grouped_mm(x_RH, gate_up_EHF, offs=offs_E), 2 * f),
+        "gate_up swapped W x^T": (lambda: torch._grouped_mm(gate_up_EFH, x_HR.t(), offs=offs_E), 2 * f),
+        "down [E,H,F]^T": (lambda: torch._grouped_mm(act_RF, down_EHF.transpose(1, 2), offs=offs_E), f),
+        "down [E,F,H]": (lambda: torch._grouped_mm(act_RF, down_EFH, offs=offs_E), f),
+        "down swapped W x^T": (lambda: torch._grouped_mm(down_EHF, act_FR.t(), offs=offs_E), f),
+    }
+    reference = {
+        2 * f: variants["gate_up [E,2F,H]^T"][0]().float(),
+        f: variants["down [E,H,F]^T"][0]().float(),
+    }
+    rows = []
+    for name, (fn, width) in variants.items():
+        row = {"section": "experts", "batch": batch, "variant": name}
+        try:
+            out = fn().float()
+            out = out.t() if out.shape[0] != reference[width].shape[0] else out
+            row["max_abs_diff"] = float((out - reference[width]).abs().max())
+            us = timed(fn, device, args.inner, args.repeats)
+            row.update(us=us, bw_fraction=touched * width * h * element / (us * 1e-6) / args.bandwidth)
+        except Exception as err:  # a variant this build cannot run is recorded, not fatal
+            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        rows.append(row)
+    return rows
+
+
+def bench_sort(c, batch, device, args) -> list[dict]:
+    ids_R = routed(c, batch, device).reshape(-1)
+    rows = []
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        experts_E = torch.arange(c["experts"], device=device, dtype=dtype)
+
+        def fn(dtype=dtype, experts_E=experts_E):
+            sorted_R, _ = torch.sort(ids_R.to(dtype), stable=True)
+            return torch.searchsorted(sorted_R, experts_E, right=True, out_int32=True)
+
+        rows.append(
+            {
+                "section": "sort",
+                "batch": batch,
+                "variant": str(dtype),
+                "us": timed(fn, device, args.inner, args.repeats),
+            }
+        )
+    return rows
+
+
+def bench_attention(c, batch, device, dtype, args) -> list[dict]:
+    m, d, n = c["kv_heads"], c["head_dim"], c["heads"]
+    max_len, keys = args.max_model_len, args.keys
+    k_SPMD = torch.randn(batch, max_len, m, d, device=device, dtype=dtype)
+    v_SPMD = torch.randn_like(k_SPMD)
+    q_BND = torch.randn(batch, n, d, device=device, dtype=dtype)
+    pos_B = torch.randint(keys // 2, keys, (batch,), device=device)
+    mask = torch.zeros(batch, 1, 1, keys, device=device, dtype=dtype).masked_fill_(
+        (torch.arange(keys, device=device)[None] > pos_B[:, None]).view(batch, 1, 1, keys), float("-inf")
+    )
+    starts = torch.arange(batch + 1, device=device, dtype=torch.int32)
+    used = (pos_B + 1).to(torch.int32)
+    element = torch.empty((), dtype=dtype).element_size()
+    kv_bytes = 2 * int(used.sum()) * m * d * element
+
+    def sdpa():
+        return F.scaled_dot_product_attention(
+            q_BND.view(batch, m, n // m, d),
+            k_SPMD[:, :keys].transpose(1, 2),
+            v_SPMD[:, :keys].transpose(1, 2),
+            attn_mask=mask,
+            scale=d**-0.5,
+        )
+
+    def flash():
+        return torch.ops.aten._flash_attention_forward(
+            q_BND,
+            k_SPMD.view(-1, m, d),
+            v_SPMD.view(-1, m, d),
+            starts,
+            starts * max_len,
+            1,
+            keys,
+            0.0,
+            False,
+            False,
+            scale=d**-0.5,
+            seqused_k=used,
+        )[0]
+
+    rows = []
+    for name, fn in (("sdpa masked", sdpa), ("flash varlen seqused_k", flash)):
+        row = {"section": "attention", "batch": batch, "variant": name}
+        try:
+            us = timed(fn, device, args.inner, args.repeats)
+            row.update(us=us, bw_fraction=kv_bytes / (us * 1e-6) / args.bandwidth)
+        except Exception as err:
+            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        rows.append(row)
+    return rows
+
+
+def bench_sample(c, batch, device, dtype, args) -> list[dict]:
+    logits_BV = torch.randn(batch, c["vocab"], device=device, dtype=dtype)
+    temperature_B = torch.ones(batch, device=device)
+    top_k_B = torch.full((batch,), 50, device=device, dtype=torch.long)
+    top_p_B = torch.full((batch,), 0.9, device=device)
+    seeds_B = torch.arange(batch, device=device)
+    pos_B = torch.full((batch,), 100, device=device)
+    rows = []
+    for filtered in (False, True):
+
+        def fn(filtered=filtered):
+            u = counter_uniform_torch(seeds_B, pos_B + 1)
+            return sample(logits_BV, temperature_B, top_k_B, top_p_B, u, filtered)
+
+        us = timed(fn, device, max(1, args.inner // 8), args.repeats)
+        rows.append({"section": "sample", "batch": batch, "variant": f"filtered={filtered}", "us": us})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32, 256])
+    ap.add_argument("--keys", type=int, default=192, help="attended length bucket")
+    ap.add_argument("--max-model-len", type=int, default=256)
+    ap.add_argument("--inner", type=int, default=48, help="calls per captured graph")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--bandwidth", type=float, default=4.3e12)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--json", default="bench/out/rollout_kernels.json")
+    args = ap.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    c = TINY if args.tiny else FULL
+    rows: list[dict] = []
+    with torch.inference_mode():
+        for batch in args.batches:
+            for fn, extra in (
+                (bench_experts, (dtype,)),
+                (bench_sort, ()),
+                (bench_attention, (dtype,)),
+                (bench_sample, (dtype,)),
+            ):
+                try:
+                    rows += fn(c, batch, device, *extra, args)
+                except Exception as err:
+                    traceback.print_exc()
+                    rows.append({"batch": batch, "error": f"{type(err).__name__}: {err}"})
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(
+        json.dumps({"args": vars(args), "torch": torch.__version__, "rows": rows}, indent=2)
+    )
+    print("| section | batch | variant | us | of bandwidth | max abs diff |\n|---|---|---|---|---|---|")
+    for r in rows:
+        bw = f"{100 * r['bw_fraction']:.0f}%" if "bw_fraction" in r else "-"
+        us = f"{r['us']:.1f}" if "us" in r else r.get("error", "")[:80]
+        diff = f"{r['max_abs_diff']:.2g}" if "max_abs_diff" in r else "-"
+        print(f"| {r.get('section', '-')} | {r['batch']} | {r.get('variant', '-')} | {us} | {bw} | {diff} |")
+
+
+if __name__ == "__main__":
+    main()
