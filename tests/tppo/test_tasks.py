@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -140,6 +141,25 @@ def test_gsm8k_demonstrations_are_verified_correct_and_end_with_eos(gsm8k_task, 
     # longer than L_max: cut there, as the loop would cut a response
     short = build_task(_cfg("algo.max_response_length=16", "algo.window=16")).demonstrate
     assert short(gsm8k_task.dataset[2], None) == demos[2][:16]
+
+
+@needs_data
+def test_a_busy_reward_pool_is_a_counted_failure_not_a_hang(gsm8k_task, qwen):
+    import tppo.tasks
+
+    verifier = dataclasses.replace(gsm8k_task.verifier, lock_timeout_s=0.2)
+    p = gsm8k_task.dataset[0]
+    sample = _finished(p, qwen.encode(f"\\boxed{{{p.answer}}}") + [IM_END])
+    start = time.monotonic()
+    with tppo.tasks._REWARD_LOCK:  # an abandoned verification still holds the pool
+        counts = score_finished([sample], verifier, timeout_s=30.0)
+    assert time.monotonic() - start < 10.0  # gave up after lock_timeout_s, not the loop's 30 s
+    # the verifier's TimeoutError is Python's, which the loop counts as a timeout
+    assert counts == {"rollout/reward_failures": 0.0, "rollout/reward_timeouts": 1.0}
+    assert sample.reward == -1.0
+    sample.reward = None
+    score_finished([sample], verifier)  # free again: scored normally
+    assert sample.reward == 1.0
 
 
 def test_gsm8k_demonstration_drops_calculator_annotations_and_the_answer_line():
