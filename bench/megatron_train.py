@@ -9,7 +9,12 @@ Each variant runs in its own process (one model of ~5 B parameters at a time on 
 - sequential:         Megatron's SequentialMLP experts (a loop over experts), no recompute; one micro-batch
                       per step and at most 2 timed steps (it is slow);
 - checks:             a small bf16 model: state_dict round trip, offload/onload, packed forward (GPU paths
-                      the CPU tests cannot reach).
+                      the CPU tests cannot reach);
+- parts:              micro-benchmarks at the model's shapes: attention kernels (flash / cuDNN / efficient,
+                      GQA by repeat or native), RMSNorm, the grouped-GEMM experts.
+`--profile` adds to the grouped variant one step under torch.profiler (top kernels, GPU busy vs wall time,
+host syncs by Python line; trace.json.gz and ops.txt under --out-dir) and A/B timings on the same weights
+(Megatron's token permutation vs tppo.engine.dispatch, fused vs multi-tensor Adam).
 
 MFU = model FLOPs / (step time x peak), with model FLOPs per token = 6 x (active matmul parameters:
 attention projections, the top-k experts' SwiGLU, router, LM head) + 6 x L x heads x head_dim x S
@@ -211,6 +216,11 @@ def run_variant(variant: str, s: Shape, args) -> dict:
             out["grouped_mm_column_major"] = experts_mod._COLUMN_MAJOR_OK["cuda"]
     except Exception as exc:  # report it beside the numbers
         out["extras_error"] = f"{type(exc).__name__}: {exc}"[:500]
+    if args.profile and experts == "grouped" and not recompute:
+        try:
+            out["profile"] = profile_engine(engine, batches[: args.profile_microbatches], args)
+        except Exception as exc:
+            out["profile_error"] = f"{type(exc).__name__}: {exc}"[:500]
     return out
 
 
@@ -338,31 +348,301 @@ def run_checks(args) -> dict:
     return {"variant": "checks", "checks": results}
 
 
+def _cuda_ms(fn, cuda: bool, repeats: int = 5, warmup: int = 2) -> float:
+    """Median milliseconds of fn() (CUDA events on GPU, perf_counter on CPU)."""
+    import torch
+
+    timer = _Timer(cuda)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        a = timer.mark()
+        fn()
+        times.append(timer.ms(a, timer.mark()))
+    if cuda:
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def count_host_syncs(fn) -> dict:
+    """Run fn() with CUDA's sync debug mode on: the number of host syncs and the Python lines that caused them."""
+    import collections
+    import warnings
+
+    import torch
+
+    if not torch.cuda.is_available():
+        fn()
+        return {}
+    where = collections.Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where[f"{os.path.relpath(w.filename)}:{w.lineno}"] += 1
+    return {"total": sum(where.values()), "top": where.most_common(12)}
+
+
+def trace_summary(path: str, ranges=("fwd_bwd", "optimizer")) -> dict:
+    """Kernel time by name, GPU busy vs idle per annotated range, and host-side sync calls, from a chrome trace."""
+    import collections
+
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    by_name = collections.defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        by_name[e["name"]][0] += e["dur"] / 1e3
+        by_name[e["name"]][1] += 1
+    out = {
+        "kernel_ms_total": sum(v[0] for v in by_name.values()),
+        "num_kernels": len(kernels),
+        "top_kernels": sorted(
+            ([k[:110], round(v[0], 3), v[1]] for k, v in by_name.items()), key=lambda r: -r[1]
+        )[:30],
+    }
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+    for e in events:
+        if e.get("cat") == "gpu_user_annotation" and e.get("name") in ranges:
+            lo, hi = e["ts"], e["ts"] + e["dur"]
+            busy, cur_end = 0.0, lo
+            for a, b in spans:
+                a, b = max(a, cur_end), min(b, hi)
+                if b > a:
+                    busy += b - a
+                    cur_end = b
+            out[e["name"]] = {"wall_ms": (hi - lo) / 1e3, "gpu_busy_ms": busy / 1e3}
+    runtime = collections.defaultdict(lambda: [0.0, 0])
+    for e in events:
+        name = e.get("name", "")
+        if e.get("cat") == "cuda_runtime" and ("ynchronize" in name or "Memcpy" in name):
+            runtime[name][0] += e["dur"] / 1e3
+            runtime[name][1] += 1
+    out["runtime_sync_calls"] = {k: [round(v[0], 3), v[1]] for k, v in runtime.items()}
+    return out
+
+
+def _swap_dispatchers(engine, sorted_permute: bool) -> None:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from tppo.engine.dispatch import SortedAlltoAllDispatcher
+
+    cls = SortedAlltoAllDispatcher if sorted_permute else MoEAlltoAllTokenDispatcher
+    for layer in engine.moe_layers:
+        old = layer.token_dispatcher
+        layer.token_dispatcher = cls(
+            old.num_local_experts, old.local_expert_indices, config=old.config, pg_collection=layer_pgs(layer)
+        )
+
+
+def layer_pgs(layer):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    d = layer.token_dispatcher
+    return ProcessGroupCollection(ep=d.ep_group, expt_tp=d.tp_group, tp_ep=d.tp_ep_group)
+
+
+def run_profile(s: Shape, args) -> dict:
+    """Build the grouped-GEMM engine and profile it (`profile_engine`)."""
+    import torch
+
+    from tppo.config import OptimConfig, ParallelConfig
+    from tppo.engine.batch import TrainBatch
+    from tppo.engine.engine import MegatronEngine
+
+    cuda = torch.cuda.is_available()
+    engine = MegatronEngine(
+        model_config(s, "bfloat16" if cuda else "float32"),
+        ParallelConfig(),
+        OptimConfig(lr=1e-5, grad_clip=1.0),
+    )
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        TrainBatch(input_ids_BT=torch.randint(0, s.vocab, (1, s.seq), generator=g))
+        for _ in range(args.profile_microbatches)
+    ]
+    with _attention_context(cuda):
+        for _ in range(2):
+            engine.train_step(batches, _nll)
+    return {"variant": "profile", **profile_engine(engine, batches, args)}
+
+
+def profile_engine(engine, batches, args) -> dict:
+    """One training step of `batches` under torch.profiler (kernel table, GPU busy vs wall, host syncs), then
+    A/B timings on the same weights: Megatron's token permutation against ours, fused against multi-tensor
+    Adam. The engine must be warm. Writes trace.json.gz and ops.txt under args.out_dir."""
+    import gzip
+    import shutil
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cuda = torch.cuda.is_available()
+    out: dict = {"profile_microbatches": len(batches)}
+    fwd_bwd = lambda: engine.forward_backward(batches, _nll)  # noqa: E731
+    with _attention_context(cuda):
+        out["host_syncs_fwd_bwd"] = count_host_syncs(fwd_bwd)
+        out["host_syncs_optimizer"] = count_host_syncs(engine.optimizer_step)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) as prof:
+            with record_function("fwd_bwd"):
+                fwd_bwd()
+            with record_function("optimizer"):
+                engine.optimizer_step()
+            if cuda:
+                torch.cuda.synchronize()
+        os.makedirs(args.out_dir, exist_ok=True)
+        trace = os.path.join(args.out_dir, "trace.json")
+        prof.export_chrome_trace(trace)
+        out["trace"] = trace_summary(trace)
+        with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(trace)
+        with open(os.path.join(args.out_dir, "ops.txt"), "w") as f:
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60))
+        ab = {}
+        for name, fast in (("permute_megatron", False), ("permute_sorted", True)):
+            _swap_dispatchers(engine, fast)
+            ab[f"fwd_bwd_ms_{name}"] = _cuda_ms(fwd_bwd, cuda, repeats=3, warmup=1)
+        ab["optimizer_step_ms_fused"] = _cuda_ms(engine.optimizer_step, cuda, repeats=3, warmup=1)
+        for inner in engine._torch_optimizers():
+            for group in inner.param_groups:
+                group["fused"], group["foreach"] = False, None
+        ab["optimizer_step_ms_foreach"] = _cuda_ms(engine.optimizer_step, cuda, repeats=3, warmup=1)
+        out["ab"] = ab
+    return out
+
+
+def run_parts(s: Shape, args) -> dict:
+    """Micro-benchmarks of single pieces at the model's shapes: attention kernels, RMSNorm, experts."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tppo.engine.experts import grouped_swiglu
+
+    cuda = torch.cuda.is_available()
+    dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    out: dict = {"variant": "parts"}
+
+    def fwd_bwd(fn, *inputs):
+        def run():
+            y = fn(*inputs)
+            y.backward(torch.ones_like(y))
+
+        return run
+
+    S, Hq, G, D = s.seq, s.heads, s.kv_heads, s.head_dim
+    q = torch.randn(S, 1, Hq, D, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(S, 1, G, D, device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn(S, 1, G, D, device=dev, dtype=dt, requires_grad=True)
+
+    def attn(repeat: bool, contiguous: bool):
+        def fn(q, k, v):
+            qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+            if contiguous:
+                qb, kb, vb = qb.contiguous(), kb.contiguous(), vb.contiguous()
+            if repeat:
+                kb, vb = kb.repeat_interleave(Hq // G, 1), vb.repeat_interleave(Hq // G, 1)
+            y = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=not repeat)
+            return y.permute(2, 0, 1, 3).reshape(S, 1, -1)
+
+        return fn
+
+    attn_flops = 4 * S * S * Hq * D / 2 * 3.5  # causal forward + backward (2.5x forward)
+    backends = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
+    res = {}
+    for bname, backend in backends.items():
+        for repeat in (True, False):
+            for contiguous in (False, True):
+                key = f"{bname}{'+repeat' if repeat else '+gqa'}{'+contig' if contiguous else ''}"
+                try:
+                    with sdpa_kernel([backend]):
+                        ms = _cuda_ms(fwd_bwd(attn(repeat, contiguous), q, k, v), cuda)
+                    res[key] = {"ms": ms, "tflops": attn_flops / ms / 1e9}
+                except RuntimeError as exc:
+                    res[key] = {"error": str(exc)[:160]}
+    out["attention_fwd_bwd"] = res
+
+    from tppo.engine.model import RMSNorm
+
+    class _Cfg:
+        use_cpu_initialization = not cuda
+        params_dtype = dt
+        sequence_parallel = False
+
+    norm = RMSNorm(_Cfg(), s.hidden)
+    qnorm = RMSNorm(_Cfg(), s.head_dim)
+    x = torch.randn(S, 1, s.hidden, device=dev, dtype=dt, requires_grad=True)
+    out["rmsnorm_fwd_bwd_ms"] = {
+        "hidden_ours": _cuda_ms(fwd_bwd(norm, x), cuda),
+        "hidden_F.rms_norm": _cuda_ms(
+            fwd_bwd(lambda t: F.rms_norm(t, (s.hidden,), norm.weight, 1e-6), x), cuda
+        ),
+        "qk_ours": _cuda_ms(fwd_bwd(qnorm, q), cuda),
+        "qk_F.rms_norm": _cuda_ms(
+            fwd_bwd(lambda t: F.rms_norm(t, (s.head_dim,), qnorm.weight, 1e-6), q), cuda
+        ),
+    }
+    n = S * s.topk
+    xe = torch.randn(n, s.hidden, device=dev, dtype=dt, requires_grad=True)
+    counts = torch.full((s.experts,), n // s.experts, dtype=torch.long, device=dev)
+    pe = torch.rand(n, device=dev, requires_grad=True)
+    w1 = (torch.randn(s.experts, 2 * s.expert_ffn, s.hidden, device=dev, dtype=dt) * 0.02).requires_grad_()
+    w2 = (torch.randn(s.experts, s.hidden, s.expert_ffn, device=dev, dtype=dt) * 0.02).requires_grad_()
+    ms = _cuda_ms(fwd_bwd(grouped_swiglu, xe, counts, pe, w1, w2), cuda)
+    out["experts_fwd_bwd"] = {"ms": ms, "tflops": 6 * n * 3 * s.hidden * s.expert_ffn / ms / 1e9}
+    return out
+
+
 def _child(args) -> None:
     s = TINY if args.tiny else Shape(seq=args.seq)
-    result = run_checks(args) if args.variant == "checks" else run_variant(args.variant, s, args)
+    if args.variant == "profile":
+        result = run_profile(s, args)
+    elif args.variant == "parts":
+        result = run_parts(s, args)
+    else:
+        result = run_checks(args) if args.variant == "checks" else run_variant(args.variant, s, args)
     with open(args.child_json, "w") as f:
         json.dump(result, f)
 
 
 def _run_child(variant: str, args, tmp: str) -> dict:
     out = os.path.join(tmp, f"{variant}.json")
-    cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--variant",
-        variant,
-        "--child-json",
-        out,
-        "--microbatches",
-        str(args.microbatches),
-        "--steps",
-        str(args.steps),
-        "--warmup",
-        str(args.warmup),
-        "--seq",
-        str(args.seq),
-    ] + (["--tiny"] if args.tiny else [])
+    cmd = (
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--variant",
+            variant,
+            "--child-json",
+            out,
+            "--microbatches",
+            str(args.microbatches),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--seq",
+            str(args.seq),
+            "--profile-microbatches",
+            str(args.profile_microbatches),
+            "--out-dir",
+            args.out_dir,
+        ]
+        + (["--tiny"] if args.tiny else [])
+        + (["--profile"] if args.profile else [])
+    )
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0 or not os.path.exists(out):
@@ -372,6 +652,36 @@ def _run_child(variant: str, args, tmp: str) -> dict:
         result = json.load(f)
     result["wall_s"] = time.perf_counter() - t0
     return result
+
+
+def _profile_lines(p: dict) -> list[str]:
+    t = p.get("trace", {})
+    lines = [f"profile ({p.get('profile_microbatches')} micro-batches + optimizer):"]
+    for name in ("fwd_bwd", "optimizer"):
+        if name in t:
+            lines.append(
+                f"  {name}: wall {t[name]['wall_ms']:.1f} ms, GPU busy {t[name]['gpu_busy_ms']:.1f} ms"
+            )
+    lines.append(
+        f"  kernels {t.get('num_kernels')}, {t.get('kernel_ms_total', 0):.1f} ms; runtime {t.get('runtime_sync_calls')}"
+    )
+    for key in ("host_syncs_fwd_bwd", "host_syncs_optimizer"):
+        lines.append(f"  {key}: {p.get(key)}")
+    lines.append(f"  A/B: {p.get('ab')}")
+    lines += [f"  {ms:9.2f} ms {n:6d}x  {name[:90]}" for name, ms, n in t.get("top_kernels", [])[:20]]
+    return lines
+
+
+def _parts_lines(r: dict) -> list[str]:
+    lines = ["parts (ms, fwd+bwd):"]
+    for key, v in r.get("attention_fwd_bwd", {}).items():
+        lines.append(
+            f"  attention {key}: "
+            + (f"{v['ms']:.3f} ms {v['tflops']:.0f} TFLOP/s" if "ms" in v else v["error"][:80])
+        )
+    lines.append(f"  rmsnorm {r.get('rmsnorm_fwd_bwd_ms')}")
+    lines.append(f"  experts {r.get('experts_fwd_bwd')}")
+    return lines
 
 
 def _table(results: list[dict], s: Shape) -> str:
@@ -386,6 +696,12 @@ def _table(results: list[dict], s: Shape) -> str:
         if "error" in r:
             lines.append(f"{r['variant']:<20} FAILED: {r['error']}")
             continue
+        if r["variant"] == "parts":
+            lines += _parts_lines(r)
+            continue
+        if r["variant"] == "profile":
+            lines += _profile_lines(r)
+            continue
         if r["variant"] == "checks":
             lines.append(
                 "checks: "
@@ -394,6 +710,8 @@ def _table(results: list[dict], s: Shape) -> str:
                 )
             )
             continue
+        if "profile" in r:
+            lines += _profile_lines(r["profile"])
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         peak = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "-"
         lines.append(
@@ -415,6 +733,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", default="bench/out/megatron_train.json")
+    p.add_argument("--profile-microbatches", type=int, default=2, help="micro-batches of the profiled step")
+    p.add_argument("--out-dir", default="bench/out", help="where the profile variant writes its trace")
+    p.add_argument("--profile", action="store_true", help="also profile the grouped variant (profile_engine)")
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--child-json", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -424,6 +745,7 @@ def main() -> None:
     import tempfile
 
     s = TINY if args.tiny else Shape(seq=args.seq)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         results = []
         for v in args.variants.split(","):
@@ -434,18 +756,17 @@ def main() -> None:
                 ),
                 flush=True,
             )
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(
-            {
-                "shape": asdict(s),
-                "flops_per_token": flops_per_token(s),
-                "peak_tflops": PEAK_TFLOPS,
-                "results": results,
-            },
-            f,
-            indent=2,
-        )
+            with open(args.json, "w") as f:  # after every variant: a run cut short keeps what it measured
+                json.dump(
+                    {
+                        "shape": asdict(s),
+                        "flops_per_token": flops_per_token(s),
+                        "peak_tflops": PEAK_TFLOPS,
+                        "results": results,
+                    },
+                    f,
+                    indent=2,
+                )
     for r in results:
         if "log_tail" in r:
             print(f"--- {r['variant']} log tail ---\n{r['log_tail']}")

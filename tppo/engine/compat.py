@@ -172,6 +172,21 @@ def _patch_cuda_literals() -> None:
     schedules.torch = _CpuTorch()
 
 
+def _patch_alltoall_splits() -> None:
+    # The all-to-all dispatcher moves its split sizes to the host as numpy arrays, but only from a CUDA
+    # tensor; on the CPU they stay tensors, which all_to_all_single refuses. Convert them the same way.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def move(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move
+
+
 @dataclass(frozen=True)
 class Patch:
     name: str
@@ -190,6 +205,11 @@ PATCHES: tuple[Patch, ...] = (
     Patch("cuda_rng_state", "recompute's CUDA RNG state save/restore become no-ops", _patch_cuda_rng_state),
     Patch(
         "cuda_literals", 'device="cuda" literals of the pipeline schedules -> the CPU', _patch_cuda_literals
+    ),
+    Patch(
+        "alltoall_splits",
+        "the all-to-all dispatcher's split sizes become host arrays on the CPU too (EP > 1 over gloo)",
+        _patch_alltoall_splits,
     ),
 )
 

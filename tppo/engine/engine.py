@@ -45,7 +45,7 @@ from tppo.engine.parallel import ParallelGroups, init_parallel
 from tppo.engine.replay import RouterReplayAction, check_routed_experts
 from tppo.registry import Registry
 
-__all__ = ["LR_SCHEDULES", "MegatronEngine", "lr_at", "unshare_adam_steps"]
+__all__ = ["LR_SCHEDULES", "MegatronEngine", "lr_at", "unshare_adam_steps", "use_fused_adam"]
 
 LossFn = Callable[[ForwardOutput, TrainBatch], LossOutput]
 
@@ -100,6 +100,28 @@ def unshare_adam_steps(optimizer: torch.optim.Optimizer) -> int:
                 shared += 1
             seen.add(id(state["step"]))
     return shared
+
+
+def use_fused_adam(optimizer: torch.optim.Optimizer) -> bool:
+    """Switch a CUDA torch Adam/AdamW to its fused kernel (one launch per tensor chunk); return whether it did.
+
+    Megatron builds torch's AdamW without `fused` when neither apex nor transformer-engine is installed; the
+    default multi-tensor path reads and writes the optimizer state several times per step. The update rule
+    is the same. Step counters already created on the host move to the device, where the fused kernel
+    reads them.
+    """
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return False
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not params or any(not p.is_cuda or not p.is_floating_point() for p in params):
+        return False
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = True, False
+    optimizer.defaults.update(fused=True, foreach=False)
+    for p, state in optimizer.state.items():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+    return True
 
 
 def _cpu_copy(obj):
@@ -225,12 +247,15 @@ class MegatronEngine:
                 adam_beta1=o.beta1,
                 adam_beta2=o.beta2,
                 adam_eps=o.eps,
-                clip_grad=o.grad_clip,
+                clip_grad=0.0,  # clipped in optimizer_step with the norm computed there
                 bf16=self.dtype == torch.bfloat16,
                 params_dtype=self.dtype,
                 use_distributed_optimizer=True,
             )
-            return get_megatron_optimizer(ocfg, [self.ddp], use_gloo_process_groups=False)
+            optimizer = get_megatron_optimizer(ocfg, [self.ddp], use_gloo_process_groups=False)
+            for inner in self._torch_optimizers(optimizer):
+                use_fused_adam(inner)
+            return optimizer
         decay = [p for _, p in self._trainable() if p.dim() > 1]
         no_decay = [p for _, p in self._trainable() if p.dim() <= 1]
         return torch.optim.AdamW(
@@ -631,15 +656,27 @@ class MegatronEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self.megatron_optimizer:
-            self.optimizer.step()
+            self._megatron_step(grad_norm)
         else:
             self._cpu_step(grad_norm)
         self.step_count += 1
         return StepResult(loss=float("nan"), grad_norm=grad_norm, lr=lr, skipped=False, num_microbatches=0)
 
-    def _cpu_step(self, grad_norm: float) -> None:
+    def _clip_scale(self, grad_norm: float) -> float:
         clip = self.optim_cfg.grad_clip
-        scale = clip / (grad_norm + 1e-6) if clip > 0 and grad_norm > clip else 1.0
+        return clip / (grad_norm + 1e-6) if clip > 0 and grad_norm > clip else 1.0
+
+    def _megatron_step(self, grad_norm: float) -> None:
+        # Megatron's own step would compute the norm again (without apex: one host sync per tensor) and clip
+        # with two passes per tensor; the norm is known here, so clip in one multi-tensor pass and step.
+        scale = self._clip_scale(grad_norm)
+        if scale != 1.0:
+            torch._foreach_mul_([g for g in self._grad_tensors()], scale)
+        self.optimizer.prepare_grads()
+        self.optimizer.step_with_ready_grads()
+
+    def _cpu_step(self, grad_norm: float) -> None:
+        scale = self._clip_scale(grad_norm)
         for _, p in self._trainable():
             # Megatron's DDP left the reduced gradient in main_grad; torch's optimizer reads .grad.
             p.grad = p.main_grad if scale == 1.0 else p.main_grad * scale
@@ -674,10 +711,11 @@ class MegatronEngine:
                 tensors += [p.data for p in group["params"]]
         return tensors
 
-    def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
+    def _torch_optimizers(self, optimizer=None) -> list[torch.optim.Optimizer]:
+        optimizer = self.optimizer if optimizer is None else optimizer
         if not self.megatron_optimizer:
-            return [self.optimizer]
-        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+            return [optimizer]
+        chained = getattr(optimizer, "chained_optimizers", [optimizer])
         return [o.optimizer for o in chained]
 
     @property
@@ -755,6 +793,7 @@ class MegatronEngine:
         for i, opt in enumerate(chained):
             opt.load_state_dict(state["common"][i])
             unshare_adam_steps(opt.optimizer)
+            use_fused_adam(opt.optimizer)  # a checkpoint saved before the switch brings host step counters
             for (j, name), tensors in state["params"].items():
                 if j == i:
                     opt._set_main_param_and_optimizer_states(named[name], tensors)
