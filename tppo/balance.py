@@ -3,9 +3,11 @@
 The routing that the policy update replays (R3: the rollout's; R2: the trainer's own old-log-prob pass) and the
 deterministic placement of samples on (data-parallel rank, micro-batch) give D[m, l, s, e] before the update
 runs. The planner registered under `relibra.planner` plans it; the simulator prices the static placement and the
-plan, and the step reports skew and simulated MoE speed-up under `relibra/`. The executor that moves experts
-inside Megatron-Core is separate (relibra executor issue): until it lands, plans are computed and reported, not
-applied, and training keeps the static placement.
+plan, and the step reports skew and simulated MoE speed-up under `relibra/`. The policy's ranks apply the plan
+with relibra.executor around the update (tppo.workers); what they measured comes back as `relibra/exec_*`.
+
+The loads count padding too (the experts compute it): the engine pads every micro-batch to the shape its routers
+run, and `RouterLayout` says how, so the plan's quotas cover exactly the pairs each rank routes.
 
 Legend: M micro-batches, L MoE layers, S source (EP) ranks, E experts, B rows, T tokens, K top-k.
 """
@@ -13,37 +15,81 @@ Legend: M micro-batches, L MoE layers, S source (EP) ranks, E experts, B rows, T
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from relibra.config import RelibraConfig
 from relibra.cost_model import CostModel, step_cost
-from relibra.plan import PlannerState, Topology, static_home_LE
+from relibra.plan import Plan, PlannerState, Topology, static_home_LE
 from relibra.planners import PlanContext, run_planner
-from tppo.engine.batch import TrainBatch
+from tppo.engine.batch import TrainBatch, replayed_ids
 
 
-def loads_from_batches(batches: list[list[TrainBatch]], ep: int, num_experts: int) -> np.ndarray:
-    """D[m, l, s, e]: (token, top-k) pairs of rank r's micro-batch m (source rank r % ep), real tokens only."""
+@dataclass(frozen=True)
+class RouterLayout:
+    """How the trainer runs micro-batches through its routers (from `TrainerWorker.router_layout`).
+
+    ep: ranks per EP group (contiguous ranks); seq_multiple: sequence lengths are rounded up to it (sequence
+    parallel); aligned: every rank of an EP group runs the group's largest (rows, tokens) shape (allgather).
+    """
+
+    ep: int
+    seq_multiple: int = 1
+    aligned: bool = False
+
+
+def router_shapes(batches: list[list[TrainBatch]], layout: RouterLayout) -> list[list[tuple[int, int]]]:
+    """The (rows, tokens) each rank's routers see for each micro-batch, as the engine pads them."""
+    q = layout.seq_multiple
+    shapes = [[(b.shape[0], -(-b.shape[1] // q) * q) for b in rank] for rank in batches]
+    if not layout.aligned:
+        return shapes
+    out = []
+    for r, rank_shapes in enumerate(batches):
+        group = range(r - r % layout.ep, r - r % layout.ep + layout.ep)
+        out.append(
+            [
+                (max(shapes[g][m][0] for g in group), max(shapes[g][m][1] for g in group))
+                for m in range(len(rank_shapes))
+            ]
+        )
+    return out
+
+
+def loads_from_batches(batches: list[list[TrainBatch]], layout: RouterLayout, num_experts: int) -> np.ndarray:
+    """D[m, l, s, e]: the (token, top-k) pairs the routers of rank r (source s = r mod EP) send to expert e in
+    micro-batch m, padding included (tppo.engine.batch.replayed_ids): exactly what the experts compute."""
     num_mb = len(batches[0])
-    routes = batches[0][0].routed_experts_BTLK
-    num_layers = int(routes.shape[2])
-    loads = np.zeros((num_mb, num_layers, ep, num_experts), dtype=np.int64)
-    for r, rank_batches in enumerate(batches):
-        for m, b in enumerate(rank_batches):
-            valid = b.attention_mask_BT.bool() & (b.loss_mask_BT.sum(dim=1, keepdim=True) > 0)
-            ids_NLK = b.routed_experts_BTLK[valid].long().numpy()
+    num_layers = int(batches[0][0].routed_experts_BTLK.shape[2])
+    loads = np.zeros((num_mb, num_layers, layout.ep, num_experts), dtype=np.int64)
+    for r, (rank_batches, shapes) in enumerate(zip(batches, router_shapes(batches, layout), strict=True)):
+        for m, (b, shape) in enumerate(zip(rank_batches, shapes, strict=True)):
+            ids_NLK = replayed_ids(b.routed_experts_BTLK, b.valid_BT(), shape, num_experts).flatten(0, 1)
             for layer in range(num_layers):
-                loads[m, layer, r % ep] += np.bincount(ids_NLK[:, layer].ravel(), minlength=num_experts)
+                loads[m, layer, r % layout.ep] += torch.bincount(
+                    ids_NLK[:, layer].reshape(-1), minlength=num_experts
+                ).numpy()
     return loads
+
+
+@dataclass
+class StepPlan:
+    """A step's plan for the policy update: what the executor applies (`plan`, None for a non-applicable
+    planner output such as `ideal`) with the loads it was made for, and the metrics of planning it."""
+
+    plan: Plan | None
+    loads_MLSE: np.ndarray
+    metrics: dict[str, float]
 
 
 class LoadPlanner:
     """Plans every step's expert placement from its exact loads, keeping the planner state between steps."""
 
-    def __init__(self, cfg: RelibraConfig, num_experts: int, ep: int, topk: int, seed: int = 0) -> None:
+    def __init__(self, cfg: RelibraConfig, num_experts: int, layout: RouterLayout, topk: int) -> None:
         self.topo = Topology(
-            num_gpus=ep,
+            num_gpus=layout.ep,
             gpus_per_node=cfg.gpus_per_node,
             num_experts=num_experts,
             num_replica_slots=cfg.replica_slots,
@@ -51,12 +97,13 @@ class LoadPlanner:
         self.ctx = PlanContext(
             topo=self.topo, config=cfg, cost=CostModel.from_yaml(cfg.cost_model), topk=topk
         )
-        self.name, self.ep, self.num_experts = cfg.planner, ep, num_experts
+        self.name, self.layout, self.num_experts = cfg.planner, layout, num_experts
         self.state = PlannerState()
+        self._before = PlannerState()
         self.expert_load_LE: np.ndarray | None = None
 
-    def plan(self, batches: list[list[TrainBatch]]) -> dict[str, float]:
-        loads = loads_from_batches(batches, self.ep, self.num_experts)
+    def plan(self, batches: list[list[TrainBatch]]) -> StepPlan:
+        loads = loads_from_batches(batches, self.layout, self.num_experts)
         per_expert = loads.sum(axis=(0, 2))
         self.expert_load_LE = per_expert if self.expert_load_LE is None else self.expert_load_LE + per_expert
         prev_home = (
@@ -65,6 +112,7 @@ class LoadPlanner:
             else static_home_LE(loads.shape[1], self.topo)
         )
         start = time.perf_counter()
+        self._before = self.state
         plan, self.state = run_planner(self.name, loads, self.ctx, self.state)
         planner_s = time.perf_counter() - start
         static, _ = run_planner("static", loads, self.ctx, PlannerState())
@@ -74,16 +122,21 @@ class LoadPlanner:
             "relibra/skew_static": _mean(static_cost.skew_ML),
             "relibra/skew_max_static": _max(static_cost.skew_ML),
         }
-        if hasattr(plan, "served_MLGJ"):
-            cost = step_cost(plan, loads, self.ctx.topk, self.topo, self.ctx.cost, prev_home)
-            out |= {
-                "relibra/skew_planned": _mean(cost.skew_ML),
-                "relibra/skew_max_planned": _max(cost.skew_ML),
-                "relibra/sim_moe_speedup": static_cost.moe_us / max(cost.moe_us, 1e-9),
-                "relibra/migration_bytes": float(cost.migration_bytes),
-                "relibra/replicas_per_mb_layer": _replicas(plan),
-            }
-        return out
+        if not isinstance(plan, Plan):
+            return StepPlan(None, loads, out)
+        cost = step_cost(plan, loads, self.ctx.topk, self.topo, self.ctx.cost, prev_home)
+        out |= {
+            "relibra/skew_planned": _mean(cost.skew_ML),
+            "relibra/skew_max_planned": _max(cost.skew_ML),
+            "relibra/sim_moe_speedup": static_cost.moe_us / max(cost.moe_us, 1e-9),
+            "relibra/migration_bytes": float(cost.migration_bytes),
+            "relibra/replicas_per_mb_layer": _replicas(plan),
+        }
+        return StepPlan(plan, loads, out)
+
+    def refused(self) -> None:
+        """The trainer could not apply the last plan: its placement did not change, so neither does ours."""
+        self.state = self._before
 
 
 def _replicas(plan) -> float:

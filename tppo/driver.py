@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from rollout.params import SamplingParams
+from tppo.balance import LoadPlanner, StepPlan
 from tppo.config import ExperimentConfig
 from tppo.pool import Sample, SamplePool
 from tppo.roles import RankGroup, Trainer, policy_objective, value_objective
@@ -37,7 +38,7 @@ class Roles:
     policy: Trainer
     critic: Trainer
     rollout: RankGroup  # one rollout engine (generate / load_weights)
-    planner: Any | None = None  # relibra_hook.LoadPlanner, when ReLibra is on
+    planner: LoadPlanner | None = None  # when ReLibra is on
 
 
 def generate(
@@ -87,25 +88,29 @@ def rl_step(
     adv, adv_metrics = advantages(batch, win_values, cfg.algo)
     metrics |= adv_metrics
     policy_in = roles.policy.policy_batches(batch, adv)
-    if cfg.algo.routing_replay == "r3":
-        metrics |= plan(roles, policy_in, timer)
+    updates_policy = step >= cfg.algo.critic_warmup_steps
+    step_plan = plan(roles, policy_in, timer) if updates_policy and cfg.algo.routing_replay == "r3" else None
     finished = [s for s in batch if s.finished]
     if finished:
         with timer("critic_update"):
             critic_in = roles.critic.critic_batches(finished)
             result = roles.critic.train(critic_in, value_objective(cfg, critic_in))
             metrics |= _step_metrics("critic", result)
-    if step >= cfg.algo.critic_warmup_steps:
+    if updates_policy:
         with timer("old_logprobs"):
             # R2: the trainer's own pass records the experts the update then replays.
             record = cfg.algo.routing_replay == "r2"
             outs = roles.policy.forward(policy_in, record_routing=record)
             metrics |= fill_old_logprobs(policy_in, outs, record)
         if record:
-            metrics |= plan(roles, policy_in, timer)
+            step_plan = plan(roles, policy_in, timer)
         with timer("policy_update"):
-            result = roles.policy.train(policy_in, policy_objective(cfg, policy_in))
+            result = roles.policy.train(policy_in, policy_objective(cfg, policy_in), step_plan)
             metrics |= _step_metrics("tppo", result)
+        if step_plan is not None:
+            metrics |= step_plan.metrics
+            if result.metrics.get("relibra/exec_refused"):
+                roles.planner.refused()
         with timer("weight_sync"):
             sync_weights(roles, cfg)
     outcome = pool.put_back(batch)
@@ -114,10 +119,10 @@ def rl_step(
     return metrics
 
 
-def plan(roles: Roles, policy_in: list[list[Any]], timer: PhaseTimer) -> dict[str, float]:
-    """ReLibra's plan for the step, from the routing the policy update will replay."""
+def plan(roles: Roles, policy_in: list[list[Any]], timer: PhaseTimer) -> StepPlan | None:
+    """ReLibra's plan for the policy update, from the routing it will replay (None when ReLibra is off)."""
     if roles.planner is None:
-        return {}
+        return None
     with timer("plan"):
         return roles.planner.plan(policy_in)
 

@@ -13,7 +13,8 @@ def summarize(history: dict[str, list[float]]) -> dict[str, Any]:
 
     truncated_fraction: the share of finished responses that T-PPO cut at least once (they needed more than
     one window); skew_*: mean max/mean expert pairs per EP rank over (micro-batch, layer), static placement vs
-    the ReLibra plan.
+    the ReLibra plan (both priced by the simulator on the exact loads) and as the executor measured it in the
+    policy update (every pair the experts computed, padding included).
     """
     rewards = np.asarray(history.get("reward", []), dtype=float)
     k = max(1, len(rewards) // 5)
@@ -31,6 +32,7 @@ def summarize(history: dict[str, list[float]]) -> dict[str, Any]:
         "tokens_per_s": mean("tokens_per_s"),
         "skew_static": mean("skew_static"),
         "skew_planned": mean("skew_planned"),
+        "skew_executed": mean("skew_executed"),
     }
 
 

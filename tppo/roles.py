@@ -14,13 +14,14 @@ from typing import Any
 
 import numpy as np
 
+from tppo.balance import RouterLayout, StepPlan
 from tppo.batching import Placement, critic_batch, place, policy_batch, split_for_ranks
 from tppo.config import ExperimentConfig, ParallelConfig
 from tppo.engine.batch import StepResult, TrainBatch
 from tppo.engine.parallel import free_port
 from tppo.objectives import PolicyObjective, SupervisedObjective, ValueObjective, live_rows, positive_tokens
 from tppo.pool import Sample
-from tppo.workers import RankSpec, TrainerWorker
+from tppo.workers import RankSpec, RelibraSlots, TrainerWorker
 
 CALL_TIMEOUT_S = 1800.0
 
@@ -67,7 +68,15 @@ def start_trainers(
     handles = []
     for rank in range(num_ranks):
         spec = RankSpec(role=role, rank=rank, world_size=num_ranks, master_addr="127.0.0.1", master_port=port)
-        args = (spec, cfg.model, parallel, optim, total_steps, cfg.run.seed + (0 if role == "policy" else 1))
+        args = (
+            spec,
+            cfg.model,
+            parallel,
+            optim,
+            total_steps,
+            cfg.run.seed + (0 if role == "policy" else 1),
+            relibra_slots(cfg) if role == "policy" else None,
+        )
         if remote:
             import ray
 
@@ -80,6 +89,17 @@ def start_trainers(
     group = RankGroup(role, handles, remote)
     group.call("ready")
     return group
+
+
+def relibra_slots(cfg: ExperimentConfig) -> RelibraSlots | None:
+    """The policy applies ReLibra plans when they exist: the planner runs and the update replays routing."""
+    if not relibra_applies(cfg):
+        return None
+    return RelibraSlots(replica_slots=cfg.relibra.replica_slots, gpus_per_node=cfg.relibra.gpus_per_node)
+
+
+def relibra_applies(cfg: ExperimentConfig) -> bool:
+    return cfg.relibra.enabled and cfg.algo.routing_replay != "off" and cfg.parallel.expert_parallel > 1
 
 
 @dataclass
@@ -115,8 +135,16 @@ class Trainer:
     ) -> list[list[Any]]:
         return self._run("forward", batches, with_entropy, record_routing)
 
-    def train(self, batches: list[list[TrainBatch]], objective: Any) -> StepResult:
-        return self._run("train", batches, objective)[0]
+    def train(
+        self, batches: list[list[TrainBatch]], objective: Any, step_plan: StepPlan | None = None
+    ) -> StepResult:
+        """One update on every rank; the result of rank 0 (losses and norms are reduced over the ranks)."""
+        if step_plan is None or step_plan.plan is None:
+            return self._run("train", batches, objective)[0]
+        return self._run("train", batches, objective, step_plan.plan, step_plan.loads_MLSE)[0]
+
+    def router_layout(self) -> RouterLayout:
+        return self.ranks.call("router_layout")[0]
 
     def weights(self, bucket_bytes: int) -> list[list[tuple[str, Any]]]:
         return self.ranks.call("hf_weights", None, bucket_bytes)[0]

@@ -26,7 +26,14 @@ from tppo.driver import Roles, rl_step
 from tppo.metrics import MetricsLogger, progress
 from tppo.pool import Sample, SamplePool
 from tppo.report import summarize, write_plots
-from tppo.roles import RankGroup, RoleError, Trainer, start_trainers, supervised_objective
+from tppo.roles import (
+    RankGroup,
+    RoleError,
+    Trainer,
+    relibra_applies,
+    start_trainers,
+    supervised_objective,
+)
 from tppo.tasks import Task, build_task
 
 
@@ -205,10 +212,9 @@ def _start_roles(cfg: ExperimentConfig) -> Roles:
     policy = start_trainers("policy", cfg, cfg.parallel, cfg.cluster.policy_ranks, True, total)
     critic = start_trainers("critic", cfg, critic_parallel(cfg), cfg.cluster.critic_ranks, True, total)
     planner = None
-    if cfg.relibra.enabled and cfg.algo.routing_replay != "off":
-        m = cfg.model
+    if relibra_applies(cfg):
         planner = LoadPlanner(
-            cfg.relibra, m.num_experts, cfg.parallel.expert_parallel, m.moe_topk, cfg.run.seed
+            cfg.relibra, cfg.model.num_experts, Trainer(policy, 1, True).router_layout(), cfg.model.moe_topk
         )
     return Roles(
         policy=Trainer(policy, cfg.parallel.micro_batch_size, cfg.algo.routing_replay == "r3"),
@@ -226,5 +232,6 @@ def _remember(history: dict[str, Any], m: dict[str, float]) -> None:
         ("tokens_per_s", "rollout/tokens_per_s"),
         ("skew_static", "relibra/skew_static"),
         ("skew_planned", "relibra/skew_planned"),
+        ("skew_executed", "relibra/exec_skew_measured"),
     ):
-        history[key].append(m.get(metric, float("nan")))
+        history.setdefault(key, []).append(m.get(metric, float("nan")))

@@ -8,15 +8,23 @@ different processes, so their Megatron parallel states never meet.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from relibra.plan import Plan
+from relibra.validate import PlanError
+from tppo.balance import RouterLayout
 from tppo.config import ModelConfig, OptimConfig, ParallelConfig
 from tppo.engine.batch import ForwardOutput, LossOutput, StepResult, TrainBatch, to_device
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,14 @@ class RankSpec:
     num_threads: int = 1
 
 
+@dataclass(frozen=True)
+class RelibraSlots:
+    """The policy ranks' ReLibra executor: replica slots per rank and the node size (replicas stay inside)."""
+
+    replica_slots: int
+    gpus_per_node: int
+
+
 class TrainerWorker:
     """One rank of a policy or critic: forward, train, export weights, save and load its shard."""
 
@@ -42,6 +58,7 @@ class TrainerWorker:
         optim: OptimConfig,
         total_steps: int | None,
         seed: int,
+        relibra: RelibraSlots | None = None,
     ) -> None:
         os.environ.update(
             RANK=str(spec.rank),
@@ -57,9 +74,25 @@ class TrainerWorker:
         self.engine = MegatronEngine(
             model, parallel, optim, role=spec.role, total_steps=total_steps, seed=seed
         )
+        self.executor = None
+        if relibra is not None:
+            from relibra.executor.executor import ExpertExecutor
+
+            self.executor = ExpertExecutor(
+                self.engine, num_replica_slots=relibra.replica_slots, gpus_per_node=relibra.gpus_per_node
+            )
 
     def ready(self) -> int:
         return self.spec.rank
+
+    def router_layout(self) -> RouterLayout:
+        """How this rank pads micro-batches for its routers (the driver counts ReLibra's loads the same way)."""
+        groups, config = self.engine.groups, self.engine.config
+        return RouterLayout(
+            ep=groups.ep_size,
+            seq_multiple=groups.tp_size if config.sequence_parallel else 1,
+            aligned=groups.ep_size > 1 and config.moe_token_dispatcher_type == "allgather",
+        )
 
     def forward(
         self, batches: Sequence[TrainBatch], with_entropy: bool = False, record_routing: bool = False
@@ -73,9 +106,34 @@ class TrainerWorker:
         return [to_device(o, torch.device("cpu")) for o in outs]
 
     def train(
-        self, batches: Sequence[TrainBatch], objective: Callable[[ForwardOutput, TrainBatch], LossOutput]
+        self,
+        batches: Sequence[TrainBatch],
+        objective: Callable[[ForwardOutput, TrainBatch], LossOutput],
+        plan: Plan | None = None,
+        loads_MLSE: np.ndarray | None = None,
     ) -> StepResult:
-        return self.engine.train_step(list(batches), objective, require_replay=_replayed(batches))
+        """One optimizer step; with a ReLibra `plan`, the experts are placed and replicated by it meanwhile."""
+        batches, replay = list(batches), _replayed(batches)
+        if plan is None or self.executor is None:
+            return self.engine.train_step(batches, objective, require_replay=replay)
+        try:
+            self.executor.begin_step(plan, loads_MLSE, num_microbatches=len(batches))
+        except PlanError as err:
+            # Every rank refused together (the executor votes before anything moves): train as placed.
+            _log.warning(
+                "rank %d: ReLibra plan refused, training under the current placement: %s", self.spec.rank, err
+            )
+            result = self.engine.train_step(batches, objective, require_replay=replay)
+            result.metrics |= {"relibra/exec_refused": 1.0}
+            return result
+        try:
+            result = self.engine.train_step(batches, objective, require_replay=replay)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.executor.end_step()
+            raise
+        result.metrics |= self.executor.end_step() | {"relibra/exec_refused": 0.0}
+        return result
 
     def hf_weights(self, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
         """Every rank must call this (the export gathers experts); rank 0 returns the buckets, others []."""
@@ -93,7 +151,12 @@ class TrainerWorker:
     def load(self, path: str) -> None:
         from tppo.checkpoint import load_file
 
-        self.engine.load_state_dict(load_file(Path(path)))
+        state = load_file(Path(path))
+        if self.executor is not None:
+            # The checkpoint's placement is the planner's too (saved with the driver): keep it.
+            self.executor.load_checkpoint(state, keep_saved_placement=True)
+        else:
+            self.engine.load_state_dict(state)
 
     def lr(self) -> float:
         return self.engine.lr

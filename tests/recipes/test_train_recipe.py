@@ -15,7 +15,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # Timing keys differ between any two runs; everything else must match step for step.
-VOLATILE = ("time", "perf/", "rollout/tokens_per_s", "relibra/planner_s")
+VOLATILE = (
+    "time",
+    "perf/",
+    "rollout/tokens_per_s",
+    "relibra/planner_s",
+    "relibra/exec_apply_s",
+    "relibra/exec_expert_fwd_ms",
+)
 
 
 def _cmd(out: Path, name: str, *extra: str) -> list[str]:
@@ -79,6 +86,7 @@ def test_default_recipe_runs_and_resumes_after_kill(tmp_path):
         "tokens_per_s",
         "skew_static",
         "skew_planned",
+        "skew_executed",
     ):
         assert key in summary
     assert summary["steps"] == 5 and summary["tokens_per_s"] > 0

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ForwardOutput", "LossOutput", "StepResult", "TrainBatch", "to_device"]
+__all__ = ["ForwardOutput", "LossOutput", "StepResult", "TrainBatch", "replayed_ids", "to_device"]
 
 
 @dataclass
@@ -149,6 +149,30 @@ class StepResult:
     skipped: bool
     num_microbatches: int
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def replayed_ids(
+    routed_BTLK: torch.Tensor, valid_BT: torch.Tensor, shape: tuple[int, int], num_experts: int
+) -> torch.Tensor:
+    """The expert ids the routers replay for a micro-batch run as `shape` = (rows, S) tokens: [rows, S, L, K].
+
+    Real tokens keep their ids. Padding (the batch's own and the rows/columns added to reach `shape`) never
+    reaches a real token's output, but the experts still compute it, so it gets K distinct experts spread
+    evenly: padding token n (row-major over the grid) goes to (n K + k) mod E, k = 0..K-1. The load that
+    ReLibra plans for is counted from this same grid, so plans cover every pair the experts compute.
+    """
+    b, t = routed_BTLK.shape[:2]
+    rows, s = shape
+    num_layers, k = routed_BTLK.shape[2:]
+    if k > num_experts:
+        raise ValueError(f"top-k {k} exceeds the number of experts {num_experts}")
+    n = torch.arange(rows * s, device=routed_BTLK.device).view(rows, s, 1, 1)
+    fill = (n * k + torch.arange(k, device=n.device)) % num_experts
+    out = fill.expand(rows, s, num_layers, k).clone()
+    valid = torch.zeros(rows, s, dtype=torch.bool, device=routed_BTLK.device)
+    valid[:b, :t] = valid_BT.bool()
+    out[valid] = routed_BTLK.long()[valid[:b, :t]]
+    return out
 
 
 def to_device(record: Any, device: torch.device) -> Any:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from tppo.config import ModelConfig, OptimConfig, ParallelConfig
-from tppo.engine.batch import ForwardOutput, LossOutput, StepResult, TrainBatch, to_device
+from tppo.engine.batch import ForwardOutput, LossOutput, StepResult, TrainBatch, replayed_ids, to_device
 from tppo.engine.logprobs import token_logprobs_entropy
 from tppo.engine.model import BuiltModel, build_model, moe_layer_ids
 from tppo.engine.offload import StorageOffloader
@@ -330,7 +330,7 @@ class MegatronEngine:
         valid[:b, :t] = batch.valid_BT()
         packed = self._packed_params(batch, s) if batch.packed else None
         padding = (~valid) if (not batch.packed and self.groups.tp_size == 1) else None
-        replay = self._replay_ids(batch, shape, valid) if batch.routed_experts_BTLK is not None else None
+        replay = self._replay_ids(batch, shape) if batch.routed_experts_BTLK is not None else None
         return _MicroBatch(
             batch=batch,
             input_ids_BS=ids,
@@ -354,9 +354,7 @@ class MegatronEngine:
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
         )
 
-    def _replay_ids(
-        self, batch: TrainBatch, shape: tuple[int, int], valid_BS: torch.Tensor
-    ) -> list[torch.Tensor]:
+    def _replay_ids(self, batch: TrainBatch, shape: tuple[int, int]) -> list[torch.Tensor]:
         """Per local MoE layer, the replayed ids [N, K] in the router's (sequence-first) token order."""
         m = self.model_cfg
         check_routed_experts(
@@ -367,15 +365,8 @@ class MegatronEngine:
             num_experts=m.num_experts,
             valid_BT=batch.valid_BT(),
         )
-        b, t = batch.shape
-        rows, s = shape
-        routed = torch.zeros(
-            rows, s, self.num_moe_layers, m.moe_topk, dtype=torch.long, device=valid_BS.device
-        )
-        routed[:b, :t] = batch.routed_experts_BTLK.long()
-        # Padding tokens never reach a real token's output; give them distinct valid ids.
-        fill = torch.arange(m.moe_topk, device=routed.device).expand_as(routed)
-        routed = torch.where(valid_BS[:, :, None, None], routed, fill)
+        s = shape[1]
+        routed = replayed_ids(batch.routed_experts_BTLK, batch.valid_BT(), shape, m.num_experts)
         per_layer = []
         for layer in self.replay.moe_layer_ids:
             ids_SBK = routed[:, :, layer, :].transpose(0, 1)
