@@ -20,6 +20,10 @@ reference (`ideal_step_cost`) computes sum_e t_gemm(W_e) / G per (m, l) (the pla
 perfectly), moves P / G pairs in and out of every GPU with the node mix of uniform traffic, and has no
 replication or migration. "MoE time" below is everything except non-MoE.
 
+The ideal is a reference, not a bound: a placement that keeps traffic inside nodes can beat its all-to-all.
+`moe_lower_bound_us` is a true lower bound of the MoE time of every plan whose copies stay in their owner's node
+and are rewritten per (m, l) (ReLibra's family, static and reorder-only included).
+
 Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots per GPU, Z nodes, P pairs.
 """
 
@@ -34,7 +38,7 @@ import numpy as np
 
 from relibra.plan import Plan, Topology
 
-__all__ = ["CostModel", "StepCost", "ideal_step_cost", "step_cost"]
+__all__ = ["CostModel", "StepCost", "ideal_step_cost", "moe_lower_bound_us", "step_cost"]
 
 NUM_ALLTOALLS = 4  # dispatch + combine, forward + backward
 
@@ -293,3 +297,41 @@ def ideal_step_cost(loads_MLSE: np.ndarray, topk: int, topo: Topology, cost: Cos
         migration_bytes=0.0,
         skew_ML=np.where(P_ML > 0, 1.0, np.nan),
     )
+
+
+def moe_lower_bound_us(loads_MLSE: np.ndarray, topk: int, topo: Topology, cost: CostModel) -> float:
+    """A lower bound of `step_cost(plan, ...).moe_us` for every plan whose replicas stay in the owner's node and are
+    rewritten per (m, l), whatever the placement (even one per micro-batch) and ignoring migration.
+
+    Per (m, l), with W_e the pairs of expert e, t(n) = (1 + f_bwd) t_gemm(n), far_e = min_z (W_e - A_ze) the fewest
+    pairs of e that come from outside the node serving it (A_ze: pairs of e from node z's sources), lat = the
+    all-to-all latency if the micro-batch routes anything:
+      no copy:   max(sum_e t(W_e) / G, max_e t(W_e)) + 4 (max(sum_e far_e / G, max_e far_e) bytes / B_nic + lat)
+      any copy:  sum_e t(W_e) / G + 4 (sum_e far_e / G bytes / B_nic + lat) + rep,
+    rep = max(0, lat_p + w / B_nvl - attn) + max(0, lat_p + (w + g) / B_nvl - f_bwd attn) (one expert's weights w
+    pushed and gradients g returned, attn the largest attention window of a source rank); the bound is the sum over
+    (m, l) of the smaller of the two. Why it holds: splitting a GEMM never lowers its total time (t is subadditive),
+    a GPU computes at least the mean, an unsplit expert sits on one GPU; all pairs of an expert are served in one
+    node, so at least far_e of them cross a NIC (at least the mean per GPU, all on one GPU without copies); a copy
+    costs at least one push and gradient return on the GPU that gets it.
+    """
+    M, L, _S, E = loads_MLSE.shape
+    G, Q, Z = topo.num_gpus, topo.node_size, topo.num_nodes
+    W_MLE = loads_MLSE.sum(axis=2)
+    t_MLE = cost.train_gemm_us(W_MLE)
+    comp_split = t_MLE.sum(axis=-1) / G
+    comp_whole = np.maximum(comp_split, t_MLE.max(axis=-1))
+    A_MLZE = loads_MLSE.reshape(M, L, Z, Q, E).sum(axis=3)
+    far_MLE = (W_MLE[:, :, None, :] - A_MLZE).min(axis=2)
+    lat_ML = cost.alltoall_latency_us * (W_MLE.sum(axis=-1) > 0)
+    nic_split = cost.nic_us(far_MLE.sum(axis=-1) / G * cost.pair_bytes)
+    nic_whole = np.maximum(nic_split, cost.nic_us(far_MLE.max(axis=-1) * cost.pair_bytes))
+    attn_M1 = _attention_us_MG(loads_MLSE, topk, cost).max(axis=1)[:, None]
+    w_bytes = cost.expert_params * cost.weight_bytes_per_param
+    g_bytes = cost.expert_params * cost.grad_bytes_per_param
+    rep_M1 = np.maximum(0.0, cost.transfer_latency_us + cost.nvlink_us(w_bytes) - attn_M1) + np.maximum(
+        0.0, cost.transfer_latency_us + cost.nvlink_us(w_bytes + g_bytes) - cost.backward_factor * attn_M1
+    )
+    whole = comp_whole + NUM_ALLTOALLS * (nic_whole + lat_ML)
+    split = comp_split + NUM_ALLTOALLS * (nic_split + lat_ML) + rep_M1
+    return float(np.minimum(whole, split).sum())
