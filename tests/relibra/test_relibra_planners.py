@@ -16,6 +16,7 @@ from relibra.cost_model import CostModel, ideal_step_cost, step_cost
 from relibra.loads import loads_from_vllm_logs
 from relibra.plan import IdealPlan, PlannerState, Topology, static_home_LE
 from relibra.planners import PLANNERS, PlanContext, run_planner
+from relibra.planners.base import home_quota_MLGHS
 from relibra.planners.eplb import eplb_rebalance, replicate_experts
 from relibra.planners.packing import balanced_packing
 from relibra.planners.reorder import (
@@ -321,3 +322,60 @@ def test_relibra_beats_baselines_on_synthetic_loads():
         moe[name] = total
     ideal = sum(ideal_step_cost(trace.loads_NMLSE[n], 4, topo, COST).moe_us for n in range(2))
     assert ideal < moe["relibra"] < moe["reorder_only"] < moe["static"]
+
+
+def _greedy_inputs(seed: int):
+    """Two-node problems of 8 GPUs with a few hot experts: [B, Q, H] near and far pairs."""
+    rng = np.random.default_rng(seed)
+    near = rng.integers(0, 300, (40, 8, 4)) * (rng.random((40, 8, 4)) < 0.7)
+    far = rng.integers(0, 300, (40, 8, 4)) * (rng.random((40, 8, 4)) < 0.7)
+    near[np.arange(40), rng.integers(0, 8, 40), rng.integers(0, 4, 40)] += rng.integers(500, 3000, 40)
+    return near, far
+
+
+def test_replication_greedy_keeps_inputs_and_pairs():
+    near, far = _greedy_inputs(0)
+    before = near.copy(), far.copy()
+    rs = greedy_replicas(near, far, 2, 64, 0.02, tile=16, kappa=3.0)
+    np.testing.assert_array_equal(near, before[0])
+    np.testing.assert_array_equal(far, before[1])
+    # Every pair is served exactly once, near ones as near and far ones as far.
+    copies = rs.local_BQR >= 0
+    B, _Q, H = near.shape
+    for b in range(B):
+        got_near, got_far = rs.near_left_BQH[b].copy(), rs.far_left_BQH[b].copy()
+        for q, r in zip(*np.nonzero(copies[b])):
+            owner, h = divmod(int(rs.local_BQR[b, q, r]), H)
+            assert owner != q
+            got_near[owner, h] += rs.near_BQR[b, q, r]
+            got_far[owner, h] += rs.far_BQR[b, q, r]
+        np.testing.assert_array_equal(got_near, near[b])
+        np.testing.assert_array_equal(got_far, far[b])
+    assert ((rs.near_BQR + rs.far_BQR)[copies] >= 64).all()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_replication_greedy_patience_loses_nothing(seed):
+    """Stopping a problem after 2 Q moves without progress gives the same objective as running to the move cap."""
+    near, far = _greedy_inputs(seed)
+    kappa = 3.0
+
+    def objective(rs):
+        C = rs.near_left_BQH.sum(-1) + rs.far_left_BQH.sum(-1) + rs.near_BQR.sum(-1) + rs.far_BQR.sum(-1)
+        F = rs.far_left_BQH.sum(-1) + rs.far_BQR.sum(-1)
+        return C.max(axis=1) + kappa * F.max(axis=1)
+
+    start = (near + far).sum(-1).max(axis=1) + kappa * far.sum(-1).max(axis=1)
+    quick = objective(greedy_replicas(near, far, 2, 64, 0.02, 16, kappa))
+    full = objective(greedy_replicas(near, far, 2, 64, 0.02, 16, kappa, patience=10**9))
+    assert (quick <= start).all()
+    np.testing.assert_allclose(quick.mean(), full.mean(), rtol=2e-3)
+
+
+def test_home_quota_against_loops():
+    rng = np.random.default_rng(0)
+    loads = rng.integers(0, 50, (2, 3, 4, 8))
+    slots = np.stack([rng.permutation(8).reshape(4, 2) for _ in range(3)])
+    got = home_quota_MLGHS(loads, slots)
+    for m, layer, g, h, s in itertools.product(range(2), range(3), range(4), range(2), range(4)):
+        assert got[m, layer, g, h, s] == loads[m, layer, s, slots[layer, g, h]]
