@@ -156,6 +156,72 @@ class RunConfig:
     device: str = spec("auto", choices=("auto", "cpu", "cuda"))
 
 
+SCORED_REWARDS = ("math", "exact")
+
+
+@dataclass
+class EvalConfig:
+    """One sampled evaluation: what to load, how to sample, where results go (configs/eval.yaml composes it).
+
+    `evaluate` reads only n, temperature, top_p, top_k, max_new_tokens, ks, seed, batch_size, name and
+    data.reward / data.reward_timeout_s; the rest is for `run_eval`."""
+
+    checkpoint: str | None = spec(
+        None, help="HF folder, training checkpoint dir (step_NNNNNN) or run directory"
+    )
+    tokenizer: str | None = spec(
+        None, help="tokenizer spec (see rollout.tokenizer.load_tokenizer); None: the checkpoint folder's own"
+    )
+    data: DataConfig = field(
+        default_factory=lambda: DataConfig(source="dataset", template="math_chat", shuffle=False)
+    )
+    name: str | None = spec(None, help="label in metric keys and paths; None: the dataset file or hub name")
+    limit: int = spec(0, ge=0, help="evaluate only the first N problems; 0: all")
+    n: int = spec(32, ge=1, help="samples per problem")
+    temperature: float = spec(0.6, ge=0)
+    top_p: float = spec(0.95, gt=0, le=1)
+    top_k: int = spec(0, ge=0, help="0 disables top-k")
+    max_new_tokens: int = spec(32768, ge=1)
+    ks: list[int] | None = None  # pass@k values; None: 1, 2, 4, ... up to n
+    seed: int = spec(0, ge=0)
+    batch_size: int = spec(256, ge=1, help="engine slots and requests per generate call (whole problems)")
+    device: str = spec("auto", choices=("auto", "cpu", "cuda"))
+    dtype: str = spec("auto", choices=("auto", "float32", "bfloat16"))
+    kv_cache_fraction: float = spec(0.85, gt=0, le=1, help="of free device memory")
+    kv_cache_tokens: int = spec(0, ge=0, help="fixed KV cache size in tokens; 0 sizes it from memory")
+    cuda_graphs: bool = True
+    verify_workers: int = spec(4, ge=1, help="math-verify worker processes")
+    output_dir: str = "runs/eval"
+    run_name: str | None = spec(None, help="results go to output_dir/run_name; None: <checkpoint>-<name>")
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> EvalConfig:
+        """Check field ranges and the rules that join fields; raise ConfigError naming the keys."""
+        check_fields(self)
+        for k in self.pass_ks:
+            if not 1 <= k <= self.n:
+                raise ConfigError(f"ks contains {k}; every k must satisfy 1 <= k <= n={self.n}")
+        if self.data.reward not in SCORED_REWARDS:
+            raise ConfigError(
+                f"data.reward={self.data.reward!r} is not a correctness reward; expected one of {SCORED_REWARDS}"
+            )
+        if self.tokenizer and self.data.tokenizer and self.tokenizer != self.data.tokenizer:
+            raise ConfigError(
+                f"tokenizer={self.tokenizer!r} and data.tokenizer={self.data.tokenizer!r} disagree; set one"
+            )
+        return self
+
+    @property
+    def pass_ks(self) -> list[int]:
+        from tppo.eval_metrics import default_ks
+
+        return sorted(set(self.ks)) if self.ks else default_ks(self.n)
+
+    @property
+    def tokenizer_spec(self) -> str | None:
+        return self.tokenizer or self.data.tokenizer
+
+
 @dataclass
 class ExperimentConfig:
     """Everything a recipe needs, as composed by Hydra from configs/."""
@@ -169,6 +235,9 @@ class ExperimentConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    # Every run.eval_every steps the loop evaluates the policy with the rollout engine it holds; of `eval`
+    # it reads the data and sampling fields (n, temperature, top_p, top_k, max_new_tokens, ks, seed, limit).
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> ExperimentConfig:
         """Check field ranges, then the rules that join fields; raise ConfigError naming the keys."""
@@ -281,4 +350,19 @@ def _cluster_rules(c: ExperimentConfig) -> str | None:
     return None
 
 
-_CROSS_FIELD_RULES = (_model_rules, _parallel_rules, _algo_rules, _cluster_rules)
+def _eval_rules(c: ExperimentConfig) -> str | None:
+    if not c.run.eval_every:
+        return None
+    if c.data.source != "dataset":
+        return (
+            f"run.eval_every={c.run.eval_every} needs a dataset task (data.source=dataset, with a tokenizer) to "
+            f"evaluate; data.source is {c.data.source!r}"
+        )
+    try:
+        c.eval.validate()
+    except ConfigError as err:
+        return f"eval: {err}"
+    return None
+
+
+_CROSS_FIELD_RULES = (_model_rules, _parallel_rules, _algo_rules, _cluster_rules, _eval_rules)

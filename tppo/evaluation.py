@@ -32,7 +32,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -43,17 +43,16 @@ from rollout.data import PromptRecord
 from rollout.params import SamplingParams
 from rollout.rewards.math import MathVerifier, extract_final_answer, score_batch
 from rollout.tokenizer import Tokenizer
-from tppo.config import LoggingConfig
+from tppo.config import EvalConfig
 from tppo.eval_metrics import (
     LengthStats,
     avg_at_n,
-    default_ks,
     length_stats,
     majority_vote,
     mean_pass_at_k,
     truncation_rate,
 )
-from tppo.fields import ConfigError, check_fields, spec
+from tppo.fields import ConfigError
 
 __all__ = [
     "EvalConfig",
@@ -69,73 +68,11 @@ __all__ = [
     "tokenizer_mismatch",
 ]
 
-SCORED_REWARDS = ("math", "exact")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class EvalInputError(ValueError):
     """A checkpoint or tokenizer the evaluation cannot use; the message names the path and what was expected."""
-
-
-@dataclass
-class EvalConfig:
-    """One sampled evaluation: what to load, how to sample, where results go (configs/eval.yaml composes it).
-
-    `evaluate` reads only n, temperature, top_p, top_k, max_new_tokens, ks, seed, batch_size, name and
-    data.reward / data.reward_timeout_s; the rest is for `run_eval`."""
-
-    checkpoint: str | None = spec(
-        None, help="HF folder, training checkpoint dir (step_NNNNNN) or run directory"
-    )
-    tokenizer: str | None = spec(
-        None, help="tokenizer spec (see rollout.tokenizer.load_tokenizer); None: the checkpoint folder's own"
-    )
-    data: DataConfig = field(
-        default_factory=lambda: DataConfig(source="dataset", template="math_chat", shuffle=False)
-    )
-    name: str | None = spec(None, help="label in metric keys and paths; None: the dataset file or hub name")
-    limit: int = spec(0, ge=0, help="evaluate only the first N problems; 0: all")
-    n: int = spec(32, ge=1, help="samples per problem")
-    temperature: float = spec(0.6, ge=0)
-    top_p: float = spec(0.95, gt=0, le=1)
-    top_k: int = spec(0, ge=0, help="0 disables top-k")
-    max_new_tokens: int = spec(32768, ge=1)
-    ks: list[int] | None = None  # pass@k values; None: 1, 2, 4, ... up to n
-    seed: int = spec(0, ge=0)
-    batch_size: int = spec(256, ge=1, help="engine slots and requests per generate call (whole problems)")
-    device: str = spec("auto", choices=("auto", "cpu", "cuda"))
-    dtype: str = spec("auto", choices=("auto", "float32", "bfloat16"))
-    kv_cache_fraction: float = spec(0.85, gt=0, le=1, help="of free device memory")
-    kv_cache_tokens: int = spec(0, ge=0, help="fixed KV cache size in tokens; 0 sizes it from memory")
-    cuda_graphs: bool = True
-    verify_workers: int = spec(4, ge=1, help="math-verify worker processes")
-    output_dir: str = "runs/eval"
-    run_name: str | None = spec(None, help="results go to output_dir/run_name; None: <checkpoint>-<name>")
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    def validate(self) -> EvalConfig:
-        """Check field ranges and the rules that join fields; raise ConfigError naming the keys."""
-        check_fields(self)
-        for k in self.pass_ks:
-            if not 1 <= k <= self.n:
-                raise ConfigError(f"ks contains {k}; every k must satisfy 1 <= k <= n={self.n}")
-        if self.data.reward not in SCORED_REWARDS:
-            raise ConfigError(
-                f"data.reward={self.data.reward!r} is not a correctness reward; expected one of {SCORED_REWARDS}"
-            )
-        if self.tokenizer and self.data.tokenizer and self.tokenizer != self.data.tokenizer:
-            raise ConfigError(
-                f"tokenizer={self.tokenizer!r} and data.tokenizer={self.data.tokenizer!r} disagree; set one"
-            )
-        return self
-
-    @property
-    def pass_ks(self) -> list[int]:
-        return sorted(set(self.ks)) if self.ks else default_ks(self.n)
-
-    @property
-    def tokenizer_spec(self) -> str | None:
-        return self.tokenizer or self.data.tokenizer
 
 
 # --------------------------------------------------------------------------------------------- records
@@ -640,7 +577,13 @@ def run_eval(
     out_dir = Path(cfg.output_dir) / (cfg.run_name or f"{prep.ref.label}-{name}")
     out_dir.mkdir(parents=True, exist_ok=True)
     table = format_report(result, prep.ref)
-    write_outputs(result, prep, out_dir, table)
+    source = {
+        "checkpoint": cfg.checkpoint,
+        "hf_dir": str(prep.ref.hf_dir),
+        "step": prep.ref.step,
+        "tokenizer": prep.tokenizer.name,
+    }
+    write_outputs(result, out_dir, table, cfg, prep.records, source)
     with MetricsLogger(out_dir, cfg.logging, out_dir.name, dataclasses.asdict(cfg)) as logger:
         logger.log(result.log_metrics(), step=prep.ref.step or 0)
         logger.summary(result.log_metrics())
@@ -651,21 +594,26 @@ def run_eval(
 
 
 # --------------------------------------------------------------------------------------------- outputs
-def write_outputs(result: EvalResult, prep: Prepared, out_dir: Path, table: str) -> None:
-    """generations.jsonl (one line per sample), summary.json and table.txt under `out_dir`."""
-    refs = {r.id: r.answer for r in prep.records}
+def write_outputs(
+    result: EvalResult,
+    out_dir: Path,
+    table: str,
+    cfg: EvalConfig,
+    records: Sequence[PromptRecord],
+    source: dict[str, Any],
+) -> None:
+    """generations.jsonl (one line per sample), summary.json and table.txt under `out_dir`; `source` says what
+    was evaluated (checkpoint, folder, step, tokenizer) and goes into the summary as is."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    refs = {r.id: r.answer for r in records}
     with (out_dir / "generations.jsonl").open("w", encoding="utf-8") as f:
         for s in result.samples:
             record = {**dataclasses.asdict(s), "reference": refs[s.problem_id]}
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    cfg = prep.cfg
     summary = {
         "name": result.name,
-        "checkpoint": cfg.checkpoint,
-        "hf_dir": str(prep.ref.hf_dir),
-        "step": prep.ref.step,
+        **source,
         "dataset": cfg.data.path,
-        "tokenizer": prep.tokenizer.name,
         "sampling": {
             "n": cfg.n,
             "temperature": cfg.temperature,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from tppo.batching import place, policy_batch, split_for_ranks
 from tppo.cluster import ray_session
 from tppo.config import ExperimentConfig, ParallelConfig
 from tppo.driver import Roles, rl_step
+from tppo.loop_eval import LoopEval, due, prepare_loop_eval, run_loop_eval
 from tppo.metrics import MetricsLogger, progress
 from tppo.pool import Sample, SamplePool
 from tppo.report import summarize, write_plots
@@ -139,6 +141,7 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
     np.random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     task = build_task(cfg)
+    loop_eval = prepare_loop_eval(cfg, task.tokenizer, task.stop_token_ids)
     out = run_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
     with ray_session(cfg.cluster):
@@ -173,7 +176,7 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
             resume_step=resumed[0] if resumed else None,
         ) as logger:
             try:
-                _loop(cfg, roles, pool, task, logger, history, start)
+                _loop(cfg, roles, pool, task, logger, history, start, loop_eval)
             except RoleError as err:
                 last = checkpoint.latest(out / "checkpoints")
                 where = f"the last complete checkpoint is {last}" if last else "no checkpoint was written yet"
@@ -193,6 +196,7 @@ def _loop(
     logger: MetricsLogger,
     history: dict[str, Any],
     start: int,
+    loop_eval: LoopEval | None = None,
 ) -> None:
     steps = range(start, cfg.run.num_steps)
     for step in progress(
@@ -202,6 +206,10 @@ def _loop(
         _remember(history, metrics)
         if roles.planner is not None:
             history["expert_load"] = roles.planner.expert_load_LE
+        if loop_eval is not None and due(cfg, step):
+            t0 = time.perf_counter()
+            metrics |= run_loop_eval(loop_eval, roles.rollout, run_dir(cfg), step)
+            metrics["perf/eval_s"] = time.perf_counter() - t0
         logger.log(metrics, step=step)
         if (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0) or step + 1 == cfg.run.num_steps:
             _save(cfg, roles, pool, step, history)

@@ -282,7 +282,8 @@ def test_duplicate_prompt_ids_are_refused(tmp_path):
 def test_two_training_steps_of_gsm8k_tiny(tmp_path, monkeypatch):
     """Step 0 cuts every response at its 8-token window; step 1 finishes them at L_max = 16 and the math
     verifier scores them (a random model writes no right answer: -1). Warm start on GSM8K's demonstrations,
-    then critic and policy updates in both steps, EP = 2 over Ray on CPU (about 3 minutes on 2 busy cores)."""
+    then critic and policy updates in both steps, EP = 2 over Ray on CPU (about 3 minutes on 2 busy cores);
+    the periodic evaluation runs after step 1."""
     import torch
 
     from tppo.run import train
@@ -295,6 +296,10 @@ def test_two_training_steps_of_gsm8k_tiny(tmp_path, monkeypatch):
         "run.name=two_steps",
         "run.num_steps=2",
         "run.save_every=0",
+        "run.eval_every=2",
+        "eval.limit=2",
+        "eval.n=2",
+        "eval.max_new_tokens=8",
         "algo.window=8",
         "algo.max_response_length=16",
         "algo.critic_warmup_steps=0",
@@ -315,3 +320,8 @@ def test_two_training_steps_of_gsm8k_tiny(tmp_path, monkeypatch):
         assert row["tppo/skipped_updates"] == 0.0
     assert second["critic/returns_mean"] == -1.0
     assert (tmp_path / "two_steps" / "checkpoints").is_dir()
+    # The periodic evaluation ran after step 1 (eval_every=2) with the loop's rollout engine.
+    assert "eval/gsm8k/avg@2" not in first and 0.0 <= second["eval/gsm8k/avg@2"] <= 1.0
+    assert second["eval/gsm8k/num_problems"] == 2.0
+    generations = (tmp_path / "two_steps" / "eval" / "step_000001" / "generations.jsonl").read_text()
+    assert len(generations.splitlines()) == 4
