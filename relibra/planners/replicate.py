@@ -19,8 +19,10 @@ than eps and a move is possible:
 A resource whose move is impossible is skipped until some move succeeds; the problem stops when both are.
 When the greedy stalls, a relaxation levels compute along the copies already made (near pairs move between an
 owner and its copy, half the load difference, copies stay >= the minimum quota), which frees slack on GPUs whose
-replica slots are taken; then the greedy runs again (`num_passes`, 2 by default). With kappa = 0 (one node, or no
-cost model) and one pass this is the spec's token greedy.
+replica slots are taken; then the greedy runs again (`num_passes`, 2 by default). A problem also stops after
+`patience` (2 Q) moves in a row that did not lower max C + kappa max F (measured: otherwise a few problems trade
+a few hundred pairs back and forth between the two resources for ~100 lockstep steps). With kappa = 0 (one node,
+or no cost model) and one pass this is the spec's token greedy.
 
 Departures (ours): the spec levels tokens only; measured on the generator, the GPUs owning far-sourced experts
 then held the NIC bottleneck of the all-to-all (1.3x the ideal receive volume) while compute was level, so the
@@ -83,9 +85,9 @@ def _split_loads_BQH(loads_MLSE: np.ndarray, slots_LGH: np.ndarray, topo: Topolo
 class _Greedy:
     """Vectorised state of the greedy over all problems (see the module docstring).
 
-    Per-GPU rows are flattened to b * Q + q so that the hot GPU's experts are one row take; `copy_BXQ` (flattened
-    to rows b * Q * H + expert) holds 1 + the replica slot of GPU q that copies the expert (0: no copy), and
-    `num_free_BQ` the free replica slots (slots fill in order and never empty), so no step scans the slots.
+    Per-GPU rows are flattened to b * Q + q so that the hot GPU's experts are one row take; `copy` [B * Q * H, Q]
+    (row b * Q * H + expert) holds 1 + the replica slot of GPU q that copies the expert (0: no copy), and
+    `num_free` [B, Q] the free replica slots (slots fill in order and never empty), so no step scans the slots.
     """
 
     def __init__(
