@@ -29,7 +29,11 @@ then held the NIC bottleneck of the all-to-all (1.3x the ideal receive volume) w
 greedy levels both loads and decides which pairs (near or far) each replica serves ("joint replica placement and
 token splitting"). "Hottest splittable expert" is the one with the most movable pairs that has a legal move. The
 relaxation pass is ours too (measured: one greedy pass left 56% of the (m, l, node) problems above tolerance because
-the slack sat on GPUs whose slots were full; intra-node compute skew 1.039 -> 1.013 with it).
+the slack sat on GPUs whose slots were full; intra-node compute skew 1.039 -> 1.013 with it). So are the bottleneck floors
+(`bottleneck_floors`): a node is levelled only down to the slowest node's compute target and, for NIC receives, to
+the busiest source's sends, which no copy can lower; below that a move cannot shorten the step (measured on the
+generator: MoE time / ideal 1.124 -> 1.120 at EP 32, 1.055 -> 1.053 at EP 16, since NIC moves no longer squeeze
+compute room where the receive side is not the bottleneck).
 
 Token split: instance i of an expert serves FAR_i far pairs and NEAR_i near pairs (decided above; the home keeps
 the rest). Locality first: each instance takes the near pairs of the source on its own GPU (no transfer) up to
@@ -273,16 +277,25 @@ def greedy_replicas(
     num_passes: int = 2,
     num_relax_rounds: int = 1,
     patience: int | None = None,
+    floor_C_B: np.ndarray | None = None,
+    floor_F_B: np.ndarray | None = None,
 ) -> ReplicaSet:
     """Run the greedy of the module docstring on every problem; near/far_BQH int [B, Q, H] pairs of home experts.
 
     kappa = 0 ignores NIC balance: the spec's token greedy (copies take near pairs first, then far ones).
     patience: moves without a fall of max C + kappa max F before a problem stops (default 2 Q: enough to lower
     every GPU of a tie at the maximum).
+    floor_C_B / floor_F_B: per problem, no GPU is levelled below these (pairs): the targets rise to floor / (1 + eps)
+    so the tolerated level is max(T (1 + eps), floor); a node need not be levelled below what the step time waits
+    for anyway (`bottleneck_floors`).
     """
     B, Q, H = near_BQH.shape
     patience = 2 * Q if patience is None else patience
     state = _Greedy(near_BQH, far_BQH, num_replica_slots, min_pairs, eps, tile, kappa, patience)
+    if floor_C_B is not None:
+        state.T_C = np.maximum(state.T_C, floor_C_B / (1 + eps))
+    if floor_F_B is not None:
+        state.T_F = np.maximum(state.T_F, floor_F_B / (1 + eps))
     if kappa == 0:
         state.T_F[:] = np.inf  # NIC load is not balanced: never the binding resource
     if num_replica_slots == 0 or Q == 1:
@@ -427,6 +440,27 @@ def nic_weight(cost: CostModel, topo: Topology) -> float:
     return NUM_ALLTOALLS * float(cost.nic_us(cost.pair_bytes)) / per_pair
 
 
+def bottleneck_floors(
+    loads_MLSE: np.ndarray, home_LE: np.ndarray, near_BQH: np.ndarray, far_BQH: np.ndarray, topo: Topology
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per problem b = (m, l, z): the compute and NIC loads (pairs) below which levelling node z cannot shorten
+    (m, l), since the step waits for the slowest GPU of the whole EP group and copies never leave a node:
+
+      floor_C = max_z' ceil(C_z' / Q),   floor_F = max(max_z' F_z' / Q, max_s Send_s),
+
+    C_z' / F_z' the pairs / far pairs node z' serves, Send_s the pairs source rank s sends to other nodes (fixed by
+    the homes: a replica serves pairs in its owner's node, so it moves no source's NIC traffic).
+    """
+    M, L, S, _E = loads_MLSE.shape
+    Z, Q = topo.num_nodes, topo.node_size
+    T_C = np.ceil((near_BQH.sum(axis=(1, 2)) + far_BQH.sum(axis=(1, 2))) / Q).reshape(M * L, Z)
+    T_F = (far_BQH.sum(axis=(1, 2)) / Q).reshape(M * L, Z)
+    away_LSE = (home_LE // Q)[:, None, :] != topo.node_of_gpu()[None, :, None]
+    send_MLS = np.einsum("mlse,lse->mls", loads_MLSE, away_LSE)
+    floor_F = np.maximum(T_F.max(axis=1), send_MLS.reshape(M * L, S).max(axis=1))
+    return np.repeat(T_C.max(axis=1), Z), np.repeat(floor_F, Z)
+
+
 def replicated_plan(
     loads_MLSE: np.ndarray, home_LE: np.ndarray, topo: Topology, cfg, cost: CostModel | None = None
 ) -> Plan:
@@ -438,8 +472,10 @@ def replicated_plan(
     near, far = _split_loads_BQH(loads_MLSE, slots_LGH, topo)
     kappa = nic_weight(cost, topo) if cost is not None else 0.0
     tile = cost.gemm_tile if cost is not None else 1
+    floor_C, floor_F = bottleneck_floors(loads_MLSE, home_LE, near, far, topo)
     replicas = greedy_replicas(
-        near, far, topo.num_replica_slots, cfg.min_replica_tokens, cfg.imbalance_tolerance, tile, kappa
-    )
+        near, far, topo.num_replica_slots, cfg.min_replica_tokens, cfg.imbalance_tolerance, tile, kappa,
+        floor_C_B=floor_C, floor_F_B=floor_F,
+    )  # fmt: skip
     slots, quota = split_quota_MLGJS(loads_MLSE, slots_LGH, replicas, topo)
     return Plan(home_LE=home_LE, slots_MLGJ=slots, quota_MLGJS=quota, num_home_slots=topo.num_home_slots)

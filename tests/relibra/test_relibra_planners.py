@@ -14,7 +14,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from relibra.config import RelibraConfig
 from relibra.cost_model import CostModel, ideal_step_cost, step_cost
 from relibra.loads import loads_from_vllm_logs
-from relibra.plan import IdealPlan, PlannerState, Topology, static_home_LE
+from relibra.plan import IdealPlan, Plan, PlannerState, Topology, home_slots_LGH, static_home_LE
 from relibra.planners import PLANNERS, PlanContext, run_planner
 from relibra.planners.base import home_quota_MLGHS
 from relibra.planners.eplb import eplb_rebalance, replicate_experts
@@ -26,7 +26,13 @@ from relibra.planners.reorder import (
     reorder_objective_L,
     reorder_problem,
 )
-from relibra.planners.replicate import greedy_replicas
+from relibra.planners.replicate import (
+    _split_loads_BQH,
+    bottleneck_floors,
+    greedy_replicas,
+    nic_weight,
+    split_quota_MLGJS,
+)
 from relibra.synthetic import SyntheticLoads, generate_loads
 from relibra.validate import validate_plan
 
@@ -379,3 +385,50 @@ def test_home_quota_against_loops():
     got = home_quota_MLGHS(loads, slots)
     for m, layer, g, h, s in itertools.product(range(2), range(3), range(4), range(2), range(4)):
         assert got[m, layer, g, h, s] == loads[m, layer, s, slots[layer, g, h]]
+
+
+def test_bottleneck_floors_against_loops():
+    loads = _synthetic(8, E=16, M=2, L=2, N=1, tokens=256).loads_NMLSE[0]
+    topo = Topology(8, 4, 16, 2)
+    home = np.random.default_rng(0).permuted(static_home_LE(2, topo), axis=1)
+
+    near, far = _split_loads_BQH(loads, home_slots_LGH(home, topo), topo)
+    floor_C, floor_F = bottleneck_floors(loads, home, near, far, topo)
+    M, L, S, E = loads.shape
+    Z, Q = 2, 4
+    for m, layer in itertools.product(range(M), range(L)):
+        node_pairs, node_far = [0] * Z, [0] * Z
+        send = [0] * S
+        for s, e in itertools.product(range(S), range(E)):
+            z_e, z_s = home[layer, e] // Q, s // Q
+            node_pairs[z_e] += loads[m, layer, s, e]
+            if z_e != z_s:
+                node_far[z_e] += loads[m, layer, s, e]
+                send[s] += loads[m, layer, s, e]
+        want_C = max(-(-p // Q) for p in node_pairs)
+        want_F = max(max(f / Q for f in node_far), max(send))
+        for z in range(Z):
+            b = (m * L + layer) * Z + z
+            assert floor_C[b] == want_C and floor_F[b] == pytest.approx(want_F)
+
+
+def test_floors_keep_the_step_time():
+    """Levelling each node only down to the (m, l)'s bottleneck never makes the simulated step slower here."""
+    trace = _synthetic(16, E=64, M=4, L=2, N=1, tokens=2048)
+    topo = Topology(16, 8, 64, 2)
+    loads = trace.loads_NMLSE[0]
+
+    home = static_home_LE(2, topo)
+    slots = home_slots_LGH(home, topo)
+    near, far = _split_loads_BQH(loads, slots, topo)
+    floors = bottleneck_floors(loads, home, near, far, topo)
+    cost = {}
+    for name, (fc, ff) in {"floors": floors, "node targets": (None, None)}.items():
+        rs = greedy_replicas(
+            near, far, 2, 64, 0.02, COST.gemm_tile, nic_weight(COST, topo), floor_C_B=fc, floor_F_B=ff
+        )
+        plan = Plan(home, *split_quota_MLGJS(loads, slots, rs, topo), num_home_slots=topo.num_home_slots)
+        validate_plan(plan, loads, topo)
+        c = step_cost(plan, loads, 4, topo, COST, home)
+        cost[name] = c.compute_us + c.alltoall_us
+    assert cost["floors"] <= cost["node targets"] * 1.001
