@@ -29,11 +29,11 @@ then held the NIC bottleneck of the all-to-all (1.3x the ideal receive volume) w
 greedy levels both loads and decides which pairs (near or far) each replica serves ("joint replica placement and
 token splitting"). "Hottest splittable expert" is the one with the most movable pairs that has a legal move. The
 relaxation pass is ours too (measured: one greedy pass left 56% of the (m, l, node) problems above tolerance because
-the slack sat on GPUs whose slots were full; intra-node compute skew 1.039 -> 1.013 with it). So are the bottleneck floors
-(`bottleneck_floors`): a node is levelled only down to the slowest node's compute target and, for NIC receives, to
-the busiest source's sends, which no copy can lower; below that a move cannot shorten the step (measured on the
-generator: MoE time / ideal 1.124 -> 1.120 at EP 32, 1.055 -> 1.053 at EP 16, since NIC moves no longer squeeze
-compute room where the receive side is not the bottleneck).
+the slack sat on GPUs whose slots were full; intra-node compute skew 1.039 -> 1.013 with it). So are the bottleneck
+floors (`bottleneck_floors`): a node is levelled only down to the slowest node's compute target and, for NIC
+receives, to the busiest source's sends, which no copy can lower; below that a move cannot shorten the step
+(measured on the generator: MoE time / ideal 1.124 -> 1.120 at EP 32, 1.055 -> 1.053 at EP 16, since NIC moves no
+longer squeeze compute room where the receive side is not the bottleneck).
 
 Token split: instance i of an expert serves FAR_i far pairs and NEAR_i near pairs (decided above; the home keeps
 the rest). Locality first: each instance takes the near pairs of the source on its own GPU (no transfer) up to
