@@ -1,5 +1,7 @@
 """RolloutWorker: the rollout engine behind a small interface for the driver (generate, load_weights).
 
+`sleep` / `wake` time-share the device with colocated trainers (generate and load_weights wake it).
+
 A plain class: tests and single-GPU debugging use it in-process; the driver places it with
 `ray.remote(num_gpus=1)(RolloutWorker).remote(...)`. Its arguments and results are picklable (the config is a
 dataclass, outputs are `GenerationOutput` records of lists and numpy arrays), and weight buckets arrive as
@@ -44,6 +46,7 @@ class RolloutWorker:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.engine = RolloutEngine.from_pretrained(model_path, device=device, dtype=dtype, config=config)
+        self._asleep = None
 
     def info(self) -> WorkerInfo:
         e = self.engine
@@ -63,11 +66,59 @@ class RolloutWorker:
         prompt_token_ids: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationOutput]:
+        if not prompt_token_ids:  # a worker whose share of a small batch is empty
+            return []
+        self.wake()
         return self.engine.generate(prompt_token_ids, params)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """One bucket of (hf_name, tensor) pairs, copied in place; returns the number of hub tensors written."""
+        self.wake()
         return self.engine.load_weights(named_tensors)
 
     def last_stats(self) -> GenerateStats:
         return self.engine.last_stats
+
+    # ---------------------------------------------------------------------------------- colocated memory
+    def sleep(self) -> None:
+        """Give the device memory to colocated trainers between generate calls: the KV cache is released
+        without a copy (it never outlives a generate call), decode CUDA graphs are dropped (they hold the old
+        storages' addresses; the next generate captures again), the weights are copied to host memory."""
+        from tppo.engine.offload import StorageOffloader
+
+        if self._asleep is not None:
+            return
+        e = self.engine
+        e.runner = None
+        if e.device.type == "cuda":
+            torch.cuda.synchronize(e.device)
+        self._asleep = StorageOffloader()
+        self._asleep.offload(_tensors(e.weights), drop=[e.cache.k_LSPND, e.cache.v_LSPND])
+        if e.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        """Restore what `sleep` released (weights bit-exact, the KV cache zeroed) and the decode runner."""
+        from rollout.cuda_graphs import DecodeRunner
+
+        if self._asleep is None:
+            return
+        self._asleep.onload()
+        self._asleep = None
+        e = self.engine
+        e.runner = DecodeRunner(e.model, e.config.cuda_graphs)
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep is not None
+
+
+def _tensors(weights) -> list[torch.Tensor]:
+    """Every tensor of a ModelWeights record (per-layer records included)."""
+    out = []
+    for value in vars(weights).values():
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, list):
+            out += [t for layer in value for t in _tensors(layer)]
+    return out

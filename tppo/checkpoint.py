@@ -99,7 +99,19 @@ def step_of(path: Path) -> int:
 def load_file(path: Path) -> Any:
     if not path.exists():
         raise FileNotFoundError(f"checkpoint file {path} is missing: the checkpoint is incomplete")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return _owned(torch.load(path, map_location="cpu", weights_only=False))
+
+
+def _owned(obj: Any) -> Any:
+    """Tensors torch.load hands back may live in storages it does not let resize; whatever keeps them (optimizer
+    state) could then never be offloaded. Copy those into torch-owned memory."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.untyped_storage().resizable() else obj.clone()
+    if isinstance(obj, dict):
+        return {k: _owned(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple) and not hasattr(obj, "_fields"):
+        return type(obj)(_owned(v) for v in obj)
+    return obj
 
 
 def _prune(root: Path, keep: int) -> None:

@@ -129,6 +129,18 @@ class ClusterConfig:
     policy_ranks: int = spec(1, ge=1, help="trainer processes of the policy")
     critic_ranks: int = spec(1, ge=1)
     rollout_workers: int = spec(1, ge=1)
+    offload: str = spec(
+        "auto",
+        choices=("auto", "on", "off"),
+        help="time-share devices between roles (trainers offload while the rollout engine generates, the engine "
+        "sleeps while they train); auto: on for colocated GPU runs",
+    )
+
+    @property
+    def time_shared(self) -> bool:
+        if self.offload == "auto":
+            return bool(self.gpus_per_node) and self.placement == "colocated"
+        return self.offload == "on"
 
 
 @dataclass

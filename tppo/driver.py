@@ -4,6 +4,9 @@
     -> ReLibra plan from the replayed routing -> critic update (finished only) -> policy update (routing replay)
     -> weight sync to the rollout engine -> put back, metrics, checkpoint on schedule
 
+Colocated roles time-share the devices (cluster.time_shared): the trainers offload before generation, the
+rollout engine sleeps after it and the critic offloads after its update; a role's next call brings it back.
+
 Everything heavy runs in the roles (tppo.roles); the math is in tppo.advantages / tppo.losses; the stages of a
 step are small functions in tppo.step. Departure from the paper: none in the loop; see tppo/step.py and the
 spec's "readings" for the choices the paper leaves open.
@@ -20,7 +23,7 @@ from rollout.params import SamplingParams
 from tppo.balance import LoadPlanner, StepPlan
 from tppo.config import ExperimentConfig
 from tppo.pool import Sample, SamplePool
-from tppo.roles import RankGroup, Trainer, policy_objective, value_objective
+from tppo.roles import RankGroup, Trainer, generate_split, policy_objective, value_objective
 from tppo.step import (
     PhaseTimer,
     Verifier,
@@ -37,7 +40,7 @@ from tppo.step import (
 class Roles:
     policy: Trainer
     critic: Trainer
-    rollout: RankGroup  # one rollout engine (generate / load_weights)
+    rollout: RankGroup  # the rollout engines (generate splits the requests, load_weights goes to all)
     planner: LoadPlanner | None = None  # when ReLibra is on
 
 
@@ -56,7 +59,7 @@ def generate(
         )
         for s in batch
     ]
-    outs = roles.rollout.call("generate", None, [s.context_ids.tolist() for s in batch], params)[0]
+    outs = generate_split(roles.rollout, [s.context_ids.tolist() for s in batch], params)
     for s, o in zip(batch, outs):
         reason = None if o.finish_reason == "length" else o.finish_reason
         routed = o.routed_experts if cfg.algo.routing_replay == "r3" else None
@@ -74,8 +77,15 @@ def rl_step(
     """One T-PPO step; returns its metrics."""
     timer, metrics = PhaseTimer(), {}
     batch = pool.take()
+    if cfg.cluster.time_shared:
+        with timer("offload"):
+            for trainer in (roles.policy, roles.critic):
+                trainer.ranks.call("offload")
     with timer("rollout"):
         generate(roles, batch, cfg, step, stop_ids)
+    if cfg.cluster.time_shared:
+        with timer("offload"):
+            roles.rollout.call("sleep")
     metrics |= score_finished(batch, verifier, cfg.data.reward_timeout_s)
     with timer("values"):
         critic_in = roles.critic.critic_batches(batch)
@@ -96,6 +106,9 @@ def rl_step(
             critic_in = roles.critic.critic_batches(finished)
             result = roles.critic.train(critic_in, value_objective(cfg, critic_in))
             metrics |= _step_metrics("critic", result)
+        if cfg.cluster.time_shared:
+            with timer("offload"):
+                roles.critic.ranks.call("offload")
     if updates_policy:
         with timer("old_logprobs"):
             # R2: the trainer's own pass records the experts the update then replays.

@@ -164,12 +164,14 @@ class Generator(Protocol):
 
 @dataclass
 class RoleGenerator:
-    """The training loop's rollout role (tppo.roles.RankGroup of one RolloutWorker) as a `Generator`."""
+    """The training loop's rollout role (tppo.roles.RankGroup of RolloutWorkers) as a `Generator`."""
 
     role: Any
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list:
-        return self.role.call("generate", None, [list(p) for p in prompt_token_ids], list(params))[0]
+        from tppo.roles import generate_split
+
+        return generate_split(self.role, prompt_token_ids, params)
 
 
 def sample_seed(seed: int, problem_id: str, index: int) -> int:

@@ -1,5 +1,6 @@
 """Driver-side handles of the roles: the policy and critic trainers (groups of Megatron ranks) and the rollout
-engine, as Ray actors placed with a placement group, or in-process objects for single-rank debugging.
+engine, as Ray actors in the run's placement group (tppo.placement), or in-process objects for single-rank
+debugging.
 
 The driver talks to a role through a handful of methods (values, log-probs, update, weights); this module turns
 pool samples into per-rank micro-batches (tppo.batching) and back. A dead actor ends the run with a message that
@@ -8,6 +9,7 @@ names the role and rank, never a hang: every remote call waits with a timeout.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,7 @@ from tppo.config import ExperimentConfig, ParallelConfig
 from tppo.engine.batch import StepResult, TrainBatch
 from tppo.engine.parallel import free_port
 from tppo.objectives import PolicyObjective, SupervisedObjective, ValueObjective, live_rows, positive_tokens
+from tppo.placement import Reservation
 from tppo.pool import Sample
 from tppo.workers import RankSpec, RelibraSlots, TrainerWorker
 
@@ -58,13 +61,28 @@ class RankGroup:
             raise RoleError(f"{self.name}.{method}() failed: {err}") from err
 
 
+def generate_split(rollout: RankGroup, prompts: Sequence[Sequence[int]], params: Sequence[Any]) -> list[Any]:
+    """Generate on every rollout worker at once, each taking a contiguous share of the requests; outputs come
+    back in request order (a request's seed, not its worker, decides what it samples)."""
+    n = len(prompts)
+    bounds = [n * w // rollout.size for w in range(rollout.size + 1)]
+    shares = [([list(p) for p in prompts[a:b]], list(params[a:b])) for a, b in itertools.pairwise(bounds)]
+    return [out for outs in rollout.call("generate", shares) for out in outs]
+
+
 def start_trainers(
-    role: str, cfg: ExperimentConfig, parallel: ParallelConfig, num_ranks: int, remote: bool, total_steps: int
+    role: str,
+    cfg: ExperimentConfig,
+    parallel: ParallelConfig,
+    num_ranks: int,
+    remote: bool,
+    total_steps: int,
+    placement: Reservation | None = None,
 ) -> RankGroup:
-    """Start `num_ranks` TrainerWorkers of `role` (Ray actors when `remote`), wait until all are built."""
+    """Start `num_ranks` TrainerWorkers of `role` (Ray actors when `remote`, in `placement`'s bundles when
+    given), wait until all are built."""
     optim = cfg.algo.actor_optim if role == "policy" else cfg.algo.critic_optim
     port = free_port()
-    gpus = 1.0 if cfg.cluster.gpus_per_node else 0.0
     handles = []
     for rank in range(num_ranks):
         spec = RankSpec(role=role, rank=rank, world_size=num_ranks, master_addr="127.0.0.1", master_port=port)
@@ -80,10 +98,8 @@ def start_trainers(
         if remote:
             import ray
 
-            actor = ray.remote(
-                num_cpus=0.01, num_gpus=gpus if cfg.cluster.placement == "separate" else gpus / 2
-            )
-            handles.append(actor(TrainerWorker).options(name=None).remote(*args))
+            options = placement.options(role, rank) if placement else {"num_cpus": 0.01}
+            handles.append(ray.remote(TrainerWorker).options(**options).remote(*args))
         else:
             handles.append(TrainerWorker(*args))
     group = RankGroup(role, handles, remote)

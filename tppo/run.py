@@ -26,6 +26,7 @@ from tppo.config import ExperimentConfig, ParallelConfig
 from tppo.driver import Roles, rl_step
 from tppo.loop_eval import LoopEval, due, prepare_loop_eval, run_loop_eval
 from tppo.metrics import MetricsLogger, progress
+from tppo.placement import Reservation, reserve
 from tppo.pool import Sample, SamplePool
 from tppo.report import summarize, write_plots
 from tppo.roles import (
@@ -49,20 +50,27 @@ def critic_parallel(cfg: ExperimentConfig) -> ParallelConfig:
     return dataclasses.replace(cfg.parallel, tensor_parallel=1, pipeline_parallel=1, expert_parallel=ep)
 
 
-def start_rollout(cfg: ExperimentConfig, hf_dir: Path, remote: bool) -> RankGroup:
-    """The rollout engine in its own process, built from the HF directory the policy exported."""
+def start_rollout(
+    cfg: ExperimentConfig, hf_dir: Path, remote: bool, placement: Reservation | None = None
+) -> RankGroup:
+    """The rollout engines (cluster.rollout_workers), each in its own process, built from the HF directory
+    the policy exported."""
     from rollout.worker import RolloutWorker
 
     device = "cuda" if cfg.cluster.gpus_per_node else "cpu"
     args = (str(hf_dir), device, cfg.rollout.dtype, cfg.rollout, 1 if device == "cpu" else None)
-    if remote:
-        import ray
+    handles = []
+    for w in range(cfg.cluster.rollout_workers):
+        if remote:
+            import ray
 
-        gpus = 0.0 if device == "cpu" else (1.0 if cfg.cluster.placement == "separate" else 0.5)
-        handle = ray.remote(num_cpus=0.01, num_gpus=gpus)(RolloutWorker).remote(*args)
-    else:
-        handle = RolloutWorker(*args)
-    return RankGroup("rollout", [handle], remote)
+            options = placement.options("rollout", w) if placement else {"num_cpus": 0.01}
+            handles.append(ray.remote(RolloutWorker).options(**options).remote(*args))
+        else:
+            handles.append(RolloutWorker(*args))
+    group = RankGroup("rollout", handles, remote)
+    group.call("info")  # built, or a clear error naming the role
+    return group
 
 
 def warm_start(cfg: ExperimentConfig, task: Task, policy: Trainer) -> list[float]:
@@ -144,8 +152,8 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
     loop_eval = prepare_loop_eval(cfg, task.tokenizer, task.stop_token_ids)
     out = run_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    with ray_session(cfg.cluster):
-        roles = _start_roles(cfg)
+    with ray_session(cfg.cluster), reserve(cfg.cluster) as placement:
+        roles = _start_roles(cfg, placement)
         pool = SamplePool.from_config(cfg.algo, task.dataset, seed=cfg.run.seed)
         resumed = _resume(cfg, roles, pool)
         start, history = (
@@ -167,7 +175,10 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
             history["warm_start_nll"] = warm_start(cfg, task, roles.policy)
         # The rollout engine starts from the policy's current weights (warm-started or resumed).
         roles.policy.ranks.call("export_hf", None, str(out / "rollout_init"))
-        roles.rollout = start_rollout(cfg, out / "rollout_init", remote=True)
+        if cfg.cluster.time_shared:  # the engine sizes its KV cache from the free memory it finds
+            for trainer in (roles.policy, roles.critic):
+                trainer.ranks.call("offload")
+        roles.rollout = start_rollout(cfg, out / "rollout_init", remote=True, placement=placement)
         with MetricsLogger(
             out,
             cfg.logging,
@@ -215,10 +226,10 @@ def _loop(
             _save(cfg, roles, pool, step, history)
 
 
-def _start_roles(cfg: ExperimentConfig) -> Roles:
-    total = cfg.run.num_steps
-    policy = start_trainers("policy", cfg, cfg.parallel, cfg.cluster.policy_ranks, True, total)
-    critic = start_trainers("critic", cfg, critic_parallel(cfg), cfg.cluster.critic_ranks, True, total)
+def _start_roles(cfg: ExperimentConfig, placement: Reservation) -> Roles:
+    total, c = cfg.run.num_steps, cfg.cluster
+    policy = start_trainers("policy", cfg, cfg.parallel, c.policy_ranks, True, total, placement)
+    critic = start_trainers("critic", cfg, critic_parallel(cfg), c.critic_ranks, True, total, placement)
     planner = None
     if relibra_applies(cfg):
         planner = LoadPlanner(

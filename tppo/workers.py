@@ -85,6 +85,16 @@ class TrainerWorker:
     def ready(self) -> int:
         return self.spec.rank
 
+    def offload(self) -> None:
+        """Free the device for a colocated role (weights and optimizer state to host, gradients dropped); the
+        next call that needs them brings them back."""
+        if not self.engine.offloaded:
+            self.engine.offload()
+
+    def _awake(self) -> None:
+        if self.engine.offloaded:
+            self.engine.onload()
+
     def router_layout(self) -> RouterLayout:
         """How this rank pads micro-batches for its routers (the driver counts ReLibra's loads the same way)."""
         groups, config = self.engine.groups, self.engine.config
@@ -97,6 +107,7 @@ class TrainerWorker:
     def forward(
         self, batches: Sequence[TrainBatch], with_entropy: bool = False, record_routing: bool = False
     ) -> list[ForwardOutput]:
+        self._awake()
         outs = self.engine.forward(
             list(batches),
             with_entropy=with_entropy,
@@ -113,6 +124,7 @@ class TrainerWorker:
         loads_MLSE: np.ndarray | None = None,
     ) -> StepResult:
         """One optimizer step; with a ReLibra `plan`, the experts are placed and replicated by it meanwhile."""
+        self._awake()
         batches, replay = list(batches), _replayed(batches)
         if plan is None or self.executor is None:
             return self.engine.train_step(batches, objective, require_replay=replay)
@@ -137,18 +149,22 @@ class TrainerWorker:
 
     def hf_weights(self, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
         """Every rank must call this (the export gathers experts); rank 0 returns the buckets, others []."""
+        self._awake()
         buckets = [list(b) for b in self.engine.iter_hf_weights(bucket_bytes=bucket_bytes)]
         return buckets if self.spec.rank == 0 else []
 
     def export_hf(self, out_dir: str) -> None:
+        self._awake()
         self.engine.export_hf(out_dir)
 
     def save(self, path: str) -> None:
+        self._awake()
         from tppo.checkpoint import save_file
 
         save_file(self.engine.state_dict(), Path(path))
 
     def load(self, path: str) -> None:
+        self._awake()
         from tppo.checkpoint import load_file
 
         state = load_file(Path(path))

@@ -36,10 +36,24 @@ class Recipe:
     job_s: int
 
 
-# The recipe of every job below. recipes.check composes, validates and prints the job's config; once the
-# training recipe lands, this one line becomes
-#   RECIPE = Recipe("train", ("experiment=default", "run.num_steps=2", "logging=disabled"), cpus=1, job_s=900)
-# (the training actors ask Ray for 0.01 CPU each, so one Slurm CPU per job is enough to schedule them).
+# What the jobs run. The sbatch job trains (a short default recipe: EP=2 policy and critic, rollout, ReLibra,
+# checkpoints) on the Ray cluster the job brings up; the training actors ask Ray for 0.01 CPU each, so one
+# Slurm CPU is enough to schedule them. The cancel and sweep jobs only need a recipe that runs on the cluster:
+# recipes.check composes, validates and prints the job's config.
+TRAIN = Recipe(
+    "train",
+    (
+        "experiment=default",
+        "run.num_steps=2",
+        "run.save_every=0",
+        "algo.warm_start_steps=2",
+        "algo.critic_warmup_steps=0",
+        "algo.batch_size=8",
+        "logging=disabled",
+    ),
+    cpus=1,
+    job_s=900,
+)
 RECIPE = Recipe("check", ("experiment=default",), cpus=1, job_s=300)
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
@@ -107,18 +121,18 @@ def printed_config(text: str) -> dict:
     return json.loads("\n".join(lines[start : end + 1]))
 
 
-def run_name_in(log: str) -> str:
+def run_name_in(log: str, recipe: Recipe = RECIPE) -> str:
     """The run the recipe says it ran: from its printed config (check) or its run directory line (train)."""
-    if RECIPE.name == "check":
+    if recipe.name == "check":
         return printed_config(log)["run"]["name"]
     match = re.search(r"^run directory: (.+)$", log, re.MULTILINE)
     assert match, log
     return Path(match.group(1)).name
 
 
-def check_recipe_outputs(log: str, output_dir: Path, run_name: str) -> None:
+def check_recipe_outputs(log: str, output_dir: Path, run_name: str, recipe: Recipe = RECIPE) -> None:
     """What the recipe must have produced inside the job (its log, and its run directory for train)."""
-    if RECIPE.name == "check":
+    if recipe.name == "check":
         cfg = printed_config(log)
         assert cfg["cluster"]["ray_address"] == "auto", cfg["cluster"]
         assert (cfg["cluster"]["num_nodes"], cfg["cluster"]["gpus_per_node"]) == (1, 0)
@@ -128,17 +142,17 @@ def check_recipe_outputs(log: str, output_dir: Path, run_name: str) -> None:
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary, "empty summary.json"
         steps = {json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()}
-        num_steps = int(next(a.split("=")[1] for a in RECIPE.args if a.startswith("run.num_steps=")))
+        num_steps = int(next(a.split("=")[1] for a in recipe.args if a.startswith("run.num_steps=")))
         assert sorted(steps) == list(range(num_steps)), steps  # steps count from 0
         assert f"run directory: {run_dir}" in log
 
 
-def submit(tmp: Path, run_name: str) -> tuple[str, Path, Path]:
-    """Queue RECIPE through `python -m recipes.submit`; return the job id, log root and output dir."""
+def submit(tmp: Path, run_name: str, recipe: Recipe = RECIPE) -> tuple[str, Path, Path]:
+    """Queue `recipe` through `python -m recipes.submit`; return the job id, log root and output dir."""
     logs, outputs = tmp / "slurm", tmp / "runs"
     done = subprocess.run(
-        [sys.executable, "-m", "recipes.submit", "--recipe", RECIPE.name, "--cpus-per-node", str(RECIPE.cpus),
-         "--time", str(RECIPE.job_s // 60 + 5), "--log-dir", str(logs), *RECIPE.args, f"run.output_dir={outputs}", f"run.name={run_name}"],
+        [sys.executable, "-m", "recipes.submit", "--recipe", recipe.name, "--cpus-per-node", str(recipe.cpus),
+         "--time", str(recipe.job_s // 60 + 5), "--log-dir", str(logs), *recipe.args, f"run.output_dir={outputs}", f"run.name={run_name}"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
@@ -149,8 +163,8 @@ def submit(tmp: Path, run_name: str) -> tuple[str, Path, Path]:
 
 
 def test_sbatch_job_runs_the_recipe_on_its_ray_cluster(slurm, tmp_path):
-    job_id, logs, outputs = submit(tmp_path, "slurm_sbatch")
-    states = wait_for_job(job_id, timeout=RECIPE.job_s)
+    job_id, logs, outputs = submit(tmp_path, "slurm_sbatch", TRAIN)
+    states = wait_for_job(job_id, timeout=TRAIN.job_s)
     job_dir = logs / job_id
     launcher_log = (logs / f"slurm-{job_id}.out").read_text()
     driver_log = (job_dir / "driver.log").read_text() if (job_dir / "driver.log").exists() else ""
@@ -158,11 +172,11 @@ def test_sbatch_job_runs_the_recipe_on_its_ray_cluster(slurm, tmp_path):
 
     assert (job_dir / "slurm.out").resolve() == (logs / f"slurm-{job_id}.out").resolve()
     assert re.search(r"^1 of 1 nodes joined \(\d+ CPUs, 0 GPUs\)", launcher_log, re.MULTILINE), launcher_log
-    assert f"recipes.{RECIPE.name} " in launcher_log and "the recipe exited with status 0" in launcher_log
+    assert "recipes.train " in launcher_log and "the recipe exited with status 0" in launcher_log
     assert "stopping the Ray cluster" in launcher_log and "leftover" not in launcher_log
     assert "Ray runtime started" in (job_dir / "ray-head.log").read_text()
     assert (job_dir / "ray-logs" / HOST / "raylet.out").is_file()
-    check_recipe_outputs(driver_log, outputs, "slurm_sbatch")
+    check_recipe_outputs(driver_log, outputs, "slurm_sbatch", TRAIN)
     assert not Path(f"/tmp/ray-{job_id}").exists()
     assert ray_processes_of(job_id) == []
 

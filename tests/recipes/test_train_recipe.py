@@ -94,8 +94,9 @@ def test_default_recipe_runs_and_resumes_after_kill(tmp_path):
     ref_rows = _comparable(run / "metrics.jsonl")
     assert [r["step"] for r in ref_rows] == [0, 1, 2, 3, 4]
 
-    # Kill -9 once the first checkpoint (after step 1) is complete, then re-run the very same command.
-    cmd = _cmd(tmp_path, "killed")
+    # Kill -9 once the first checkpoint (after step 1) is complete, then re-run the very same command. This
+    # run also time-shares the devices (offload on, as colocated GPU runs do): the numbers must not change.
+    cmd = _cmd(tmp_path, "killed", "cluster.offload=on")
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,

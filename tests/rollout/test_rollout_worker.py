@@ -49,6 +49,23 @@ def test_worker_in_process(checkpoints):
     assert any(x.token_ids != y.token_ids for x, y in zip(before, after))
 
 
+def test_sleep_releases_memory_and_wakes_to_the_same_outputs(checkpoints):
+    """Colocated time-sharing: asleep, the KV cache and weights hold no device bytes; generate after waking is
+    identical, and a weight bucket loaded into a sleeping worker lands like one loaded awake."""
+    a, b = checkpoints
+    worker = RolloutWorker(str(a), config=CONFIG, num_threads=1)
+    before = worker.generate(PROMPTS, PARAMS)
+    worker.sleep()
+    e = worker.engine
+    assert worker.asleep and e.cache.k_LSPND.untyped_storage().nbytes() == 0
+    assert e.weights.embed_VH.untyped_storage().nbytes() == 0
+    _same(worker.generate(PROMPTS, PARAMS), before)
+    assert not worker.asleep
+    worker.sleep()
+    worker.load_weights(list(iter_checkpoint(b)))
+    _same(worker.generate(PROMPTS, PARAMS), RolloutWorker(str(b), config=CONFIG).generate(PROMPTS, PARAMS))
+
+
 @pytest.mark.dist
 def test_worker_as_ray_actor(checkpoints):
     ray = pytest.importorskip("ray")

@@ -51,6 +51,11 @@ class StorageOffloader:
             if key in seen or storage.nbytes() == 0:
                 continue
             seen.add(key)
+            if not storage.resizable():
+                raise ValueError(
+                    f"cannot offload a tensor of shape {tuple(t.shape)} ({t.dtype}): its storage is not resizable "
+                    "(memory owned by numpy or a memory map); copy it into a torch-owned tensor first"
+                )
             host = None
             if key not in dropped:
                 src = _bytes_view(storage)
