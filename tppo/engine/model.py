@@ -11,10 +11,12 @@ pre-softmax routing gives the plain softmax probabilities of the chosen experts.
 
 The layer spec uses only Megatron-Core modules plus four of ours: `SDPAttention` (core attention on
 torch's scaled_dot_product_attention: flash kernels on GPU, any kernel on CPU; packed sequences run one
-segment at a time), `RMSNorm` (computed in fp32 like the Hugging Face models, usable with sequence
-parallelism), `ReplayRouter` (routing replay, tppo.engine.replay) and `GroupedExperts` (grouped GEMM,
-tppo.engine.experts). `RoutedMoELayer` is Megatron's MoELayer with one seam for ReLibra's executor: a
-`route_hook` called between the router and the token dispatcher.
+segment at a time), `RMSNorm` (torch's rms_norm: fp32 statistics like the Hugging Face models, one fused
+op, usable with sequence parallelism), `ReplayRouter` (routing replay, tppo.engine.replay) and
+`GroupedExperts` (grouped GEMM, tppo.engine.experts). `RoutedMoELayer` is Megatron's MoELayer with one seam
+for ReLibra's executor, a `route_hook` called between the router and the token dispatcher, and with the
+all-to-all dispatcher replaced by `tppo.engine.dispatch.SortedAlltoAllDispatcher` (the same routing without
+host syncs or atomic adds).
 
 The critic uses the same trunk with `ValueHead` (one scalar per token) in place of the vocabulary
 projection.
