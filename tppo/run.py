@@ -154,7 +154,7 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     with ray_session(cfg.cluster), reserve(cfg.cluster) as placement:
         roles = _start_roles(cfg, placement)
-        pool = SamplePool.from_config(cfg.algo, task.dataset, seed=cfg.run.seed)
+        pool = SamplePool.from_config(cfg.algo, task.dataset, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         resumed = _resume(cfg, roles, pool)
         start, history = (
             (resumed[0] + 1, resumed[1])
