@@ -53,17 +53,19 @@ def _close(a: dict, b: dict, rtol=1e-5, atol=1e-6):
 
 
 CASES = [
-    pytest.param(2, 2, 0, False, 8, 0.0, id="ep2-reorder"),
-    pytest.param(2, 2, 1, False, 8, 0.0, id="ep2-reorder+replicas"),
-    pytest.param(2, 2, 1, False, [8, 5], 0.0, id="ep2-replicas-padded"),
-    pytest.param(2, 2, 1, True, 8, 0.0, id="ep2-replicas-recompute"),
-    pytest.param(2, 2, 1, False, 8, 0.1, id="ep2-replicas-aux-loss"),
-    pytest.param(4, 2, 1, False, 6, 0.0, id="ep4-two-nodes-replicas", marks=pytest.mark.slow),
+    pytest.param(2, 2, 0, False, 8, 0.0, None, id="ep2-reorder"),
+    pytest.param(2, 2, 1, False, 8, 0.0, None, id="ep2-reorder+replicas"),
+    pytest.param(2, 2, 1, False, [8, 5], 0.0, None, id="ep2-replicas-padded"),
+    pytest.param(2, 2, 1, True, 8, 0.0, None, id="ep2-replicas-recompute"),
+    pytest.param(2, 2, 1, False, 8, 0.1, None, id="ep2-replicas-aux-loss"),
+    # The GPU's token dispatcher (all-to-all), here over gloo through the engine's CPU compat layer.
+    pytest.param(2, 2, 1, False, 8, 0.0, "alltoall", id="ep2-replicas-alltoall"),
+    pytest.param(4, 2, 1, False, 6, 0.0, None, id="ep4-two-nodes-replicas", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize(("ep", "gpn", "replicas", "recompute", "tokens", "aux_loss"), CASES)
-def test_any_plan_equals_static(ep, gpn, replicas, recompute, tokens, aux_loss):
+@pytest.mark.parametrize(("ep", "gpn", "replicas", "recompute", "tokens", "aux_loss", "dispatcher"), CASES)
+def test_any_plan_equals_static(ep, gpn, replicas, recompute, tokens, aux_loss, dispatcher):
     """Random valid plans (a reorder every step, random intra-node replicas with random quota splits) give the
     static placement's losses, gradients and weights in logical order; the dispatcher hands every slot exactly
     its quota; a checkpoint saved under the final placement loads under the static one (weights and Adam
@@ -80,7 +82,7 @@ def test_any_plan_equals_static(ep, gpn, replicas, recompute, tokens, aux_loss):
         loads,
         replicas,
         gpn,
-        None,
+        dispatcher,
         recompute,
         aux_loss,
         timeout_s=300,
