@@ -7,7 +7,8 @@ Each variant is captured `--inner` times in one CUDA graph (so launch overhead i
 pays), replayed `--repeats` times, timed with CUDA events; the table shows the median per call in microseconds
 and, for bandwidth-bound ops, the fraction of `--bandwidth` that its bytes imply. Variants:
 - experts: gate_up and down grouped GEMMs of B tokens x top-k (uniform random routing), weights [E, 2F, H] read
-  transposed (the engine's layout), weights stored [E, H, 2F], and the swapped form W x^T (3d x 2d, groups on N).
+  transposed (the engine's layout), weights stored [E, H, 2F], the swapped form W x^T (3d x 2d, groups on N),
+  and a dense bmm with every expert padded to a fixed number of rows (what a capacity-padded path would cost).
 - sort: stable sort of the B*K expert ids as int64 / int32 / int16 keys (+ searchsorted for the group offsets).
 - attention: masked SDPA over [B, M, S, D] views of the slot cache vs FlashAttention-2 varlen with seqused_k.
 - sample: the sampler on [B, V] bf16 logits, with and without the top-k/top-p sort.
@@ -94,6 +95,14 @@ def bench_experts(c, batch, device, dtype, args) -> list[dict]:
         "down [E,F,H]": (lambda: torch._grouped_mm(act_RF, down_EFH, offs=offs_E), f),
         "down swapped W x^T": (lambda: torch._grouped_mm(down_EHF, act_FR.t(), offs=offs_E), f),
     }
+    for cap in (16, 32, 64):  # a dense padded alternative: every expert gets `cap` token rows (bmm)
+        x_ECH = torch.randn(e, cap, h, device=device, dtype=dtype)
+        a_ECF = torch.randn(e, cap, f, device=device, dtype=dtype)
+        variants[f"gate_up bmm pad {cap}"] = (
+            lambda x=x_ECH: torch.bmm(x, gate_up_EFH.transpose(1, 2)),
+            2 * f,
+        )
+        variants[f"down bmm pad {cap}"] = (lambda a=a_ECF: torch.bmm(a, down_EHF.transpose(1, 2)), f)
     reference = {
         2 * f: variants["gate_up [E,2F,H]^T"][0]().float(),
         f: variants["down [E,H,F]^T"][0]().float(),
@@ -103,8 +112,9 @@ def bench_experts(c, batch, device, dtype, args) -> list[dict]:
         row = {"section": "experts", "batch": batch, "variant": name}
         try:
             out = fn().float()
-            out = out.t() if out.shape[0] != reference[width].shape[0] else out
-            row["max_abs_diff"] = float((out - reference[width]).abs().max())
+            if "bmm" not in name:
+                out = out.t() if out.shape[0] != reference[width].shape[0] else out
+                row["max_abs_diff"] = float((out - reference[width]).abs().max())
             us = timed(fn, device, args.inner, args.repeats)
             row.update(us=us, bw_fraction=touched * width * h * element / (us * 1e-6) / args.bandwidth)
         except Exception as err:  # a variant this build cannot run is recorded, not fatal
