@@ -116,12 +116,14 @@ def test_a_known_mixture_gives_the_independently_computed_metrics(
 
 def test_role_generator_calls_the_rollout_role_like_the_driver(records, aime2024, qwen_tokenizer, verifier):
     class Group:  # tppo.roles.RankGroup's call(): method, per-rank args, shared args -> one result per rank
+        size = 1
+
         def __init__(self, worker):
             self.worker, self.calls = worker, []
 
         def call(self, method, per_rank, *args):
             self.calls.append(method)
-            return [getattr(self.worker, method)(*args)]
+            return [getattr(self.worker, method)(*a) for a in (per_rank if per_rank is not None else [args])]
 
     group = Group(Oracle(qwen_tokenizer, records[:3], right))
     result = evaluate(

@@ -37,7 +37,9 @@ def _rows(path: Path) -> list[dict]:
 
 
 def _cfg(*overrides: str) -> ExperimentConfig:
-    return compose("train", ["experiment=gsm8k_tiny", f"data.path={GSM8K}", *overrides])
+    return compose(
+        "train", ["experiment=gsm8k_tiny", f"data.path={GSM8K}", f"eval.data.path={GSM8K}", *overrides]
+    )
 
 
 def _with_data(cfg: ExperimentConfig, **changes) -> ExperimentConfig:

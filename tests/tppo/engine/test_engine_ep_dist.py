@@ -70,9 +70,11 @@ def test_ep2_equals_ep1(tmp_path):
     ]  # each reads its own only
 
     # Each rank's experts computed exactly the replayed (token, expert) pairs of BOTH ranks, plus the
-    # 2 rows x 2 tokens rank 1 was padded with (replayed to experts 0..k-1).
+    # 2 rows x 2 tokens rank 1 was padded with (a [2, 9] grid whose padding token n, row-major, is replayed
+    # to experts (n K + k) mod E: tokens 7, 8, 16, 17).
+    k, e = m.moe_topk, m.num_experts
+    padding = torch.tensor([(n * k + j) % e for n in (7, 8, 16, 17) for j in range(k)])
     for layer in range(2):
-        padding = torch.arange(m.moe_topk).repeat(2 * 2)
         ids = torch.cat([replay_ids[r][:, :, layer].reshape(-1) for r in range(2)] + [padding])
         expected = torch.bincount(ids, minlength=m.num_experts)
         got = torch.cat([ranks[0]["counts"][layer], ranks[1]["counts"][layer]])
