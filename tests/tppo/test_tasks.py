@@ -299,6 +299,7 @@ def test_two_training_steps_of_gsm8k_tiny(tmp_path, monkeypatch):
         "run.num_steps=2",
         "run.save_every=0",
         "run.eval_every=2",
+        "eval.name=gsm8k",
         "eval.limit=2",
         "eval.n=2",
         "eval.max_new_tokens=8",
