@@ -153,11 +153,6 @@ def run_engine(args, cfg: dict, device: torch.device, dtype: torch.dtype) -> lis
             engine.runner.use_cuda_graphs = False
             eager_ms = time_replay(engine, batch, args, device)
             engine.runner.use_cuda_graphs = True
-        sdpa_ms = None
-        if engine.model.flash_decode and batch == max(args.batches):  # what the flash attention path buys
-            engine.model.flash_decode, engine.runner._graphs = False, {}
-            sdpa_ms = time_replay(engine, batch, args, device)
-            engine.model.flash_decode, engine.runner._graphs = True, {}
         profile = (
             profile_step(engine, batch, args, device) if device.type == "cuda" and batch in (1, 256) else None
         )
@@ -173,7 +168,6 @@ def run_engine(args, cfg: dict, device: torch.device, dtype: torch.dtype) -> lis
                 "step_ms": 1e3 * step_s,
                 "replay_ms": replay_ms,
                 "eager_step_ms": eager_ms,
-                "replay_ms_sdpa_attention": sdpa_ms,
                 "roofline_step_ms": 1e3 * floor_s,
                 "roofline_fraction": floor_s / step_s,
                 "weights_gb_per_step": statistics.mean(s["weights"] for s in per_step) / 1e9,
@@ -190,8 +184,7 @@ def run_engine(args, cfg: dict, device: torch.device, dtype: torch.dtype) -> lis
         )
         print(
             f"engine L={cfg['num_hidden_layers']} B={batch}: {rows[-1]['decode_tok_s']:.0f} tok/s, "
-            f"step {rows[-1]['step_ms']:.2f} ms (replay {replay_ms:.2f}, eager {eager_ms or 0:.2f}, "
-            f"replay with SDPA attention {sdpa_ms or 0:.2f}), "
+            f"step {rows[-1]['step_ms']:.2f} ms (replay {replay_ms:.2f}, eager {eager_ms or 0:.2f}), "
             f"roofline {100 * rows[-1]['roofline_fraction']:.0f}%",
             flush=True,
         )

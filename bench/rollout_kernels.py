@@ -7,10 +7,11 @@ Each variant is captured `--inner` times in one CUDA graph (so launch overhead i
 pays), replayed `--repeats` times, timed with CUDA events; the table shows the median per call in microseconds
 and, for bandwidth-bound ops, the fraction of `--bandwidth` that its bytes imply. Variants:
 - experts: gate_up and down grouped GEMMs of B tokens x top-k (uniform random routing), weights [E, 2F, H] read
-  transposed (the engine's layout), weights stored [E, H, 2F], the swapped form W x^T (3d x 2d, groups on N),
-  and a dense bmm with every expert padded to a fixed number of rows (what a capacity-padded path would cost).
+  transposed (the engine's layout), weights stored [E, H, 2F], and a dense bmm with every expert padded to a
+  fixed number of rows (what a capacity-padded path would cost).
 - sort: stable sort of the B*K expert ids as int64 / int32 / int16 keys (+ searchsorted for the group offsets).
-- attention: masked SDPA over [B, M, S, D] views of the slot cache vs FlashAttention-2 varlen with seqused_k.
+- attention: masked SDPA over [B, M, S, D] views of the slot cache vs FlashAttention-2 varlen with seqused_k,
+  per q head or with the G q heads of a kv head folded into the query length (the engine's form).
 - sample: the sampler on [B, V] bf16 logits, with and without the top-k/top-p sort.
 """
 
@@ -81,7 +82,6 @@ def bench_experts(c, batch, device, dtype, args) -> list[dict]:
     gate_up_EHF = gate_up_EFH.transpose(1, 2).contiguous()
     down_EFH = down_EHF.transpose(1, 2).contiguous()
     act_RF = torch.randn(batch * c["top_k"], f, device=device, dtype=dtype)
-    x_HR, act_FR = x_RH.t().contiguous().t(), act_RF.t().contiguous().t()
     element = torch.empty((), dtype=dtype).element_size()
     touched = len(torch.unique(ids_TK))
     variants = {
@@ -90,10 +90,8 @@ def bench_experts(c, batch, device, dtype, args) -> list[dict]:
             2 * f,
         ),
         "gate_up [E,H,2F]": (lambda: torch._grouped_mm(x_RH, gate_up_EHF, offs=offs_E), 2 * f),
-        "gate_up swapped W x^T": (lambda: torch._grouped_mm(gate_up_EFH, x_HR.t(), offs=offs_E), 2 * f),
         "down [E,H,F]^T": (lambda: torch._grouped_mm(act_RF, down_EHF.transpose(1, 2), offs=offs_E), f),
         "down [E,F,H]": (lambda: torch._grouped_mm(act_RF, down_EFH, offs=offs_E), f),
-        "down swapped W x^T": (lambda: torch._grouped_mm(down_EHF, act_FR.t(), offs=offs_E), f),
     }
     for cap in (16, 32, 64):  # a dense padded alternative: every expert gets `cap` token rows (bmm)
         x_ECH = torch.randn(e, cap, h, device=device, dtype=dtype)
@@ -113,7 +111,6 @@ def bench_experts(c, batch, device, dtype, args) -> list[dict]:
         try:
             out = fn().float()
             if "bmm" not in name:
-                out = out.t() if out.shape[0] != reference[width].shape[0] else out
                 row["max_abs_diff"] = float((out - reference[width]).abs().max())
             us = timed(fn, device, args.inner, args.repeats)
             row.update(us=us, bw_fraction=touched * width * h * element / (us * 1e-6) / args.bandwidth)
@@ -184,8 +181,33 @@ def bench_attention(c, batch, device, dtype, args) -> list[dict]:
             seqused_k=used,
         )[0]
 
+    g = n // m
+
+    def flash_folded():  # the engine's form: the G q heads of a kv head as G query rows
+        q_XMD = q_BND.view(batch, m, g, d).transpose(1, 2).reshape(-1, m, d)
+        out = torch.ops.aten._flash_attention_forward(
+            q_XMD,
+            k_SPMD.view(-1, m, d),
+            v_SPMD.view(-1, m, d),
+            starts * g,
+            starts * max_len,
+            g,
+            keys,
+            0.0,
+            False,
+            False,
+            scale=d**-0.5,
+            seqused_k=used,
+        )[0]
+        return out.view(batch, g, m, d).transpose(1, 2).reshape(batch, n * d)
+
     rows = []
-    for name, fn in (("sdpa masked", sdpa), ("flash varlen seqused_k", flash)):
+    variants = (
+        ("sdpa masked", sdpa),
+        ("flash varlen seqused_k", flash),
+        ("flash varlen GQA folded", flash_folded),
+    )
+    for name, fn in variants:
         row = {"section": "attention", "batch": batch, "variant": name}
         try:
             us = timed(fn, device, args.inner, args.repeats)

@@ -13,7 +13,7 @@ place from the cache (cumulative key offsets slot * max_model_len, `seqused_k` =
 without copying K/V); elsewhere one SDPA call with an additive mask over `[B, M, S, D]` cache views. The flash
 path is only taken after a probe on the device matched SDPA (`flash_decode_works`).
 
-Legend: T flat tokens, B decode rows (= cache slots), H hidden, C fused qkv width, N q heads, M kv heads,
+Legend: T flat tokens, B decode rows (= cache slots), X = B*G folded query rows, H hidden, C fused qkv width, N q heads, M kv heads,
 G q heads per kv head, D head dim, S attended positions, E experts, K top-k, R = T*K routed pairs,
 F FFN width, V vocab, L MoE layers.
 """
@@ -83,9 +83,11 @@ class MoeDecoder:
         self.experts_E = torch.arange(spec.num_experts, device=device, dtype=self.sort_dtype)
         self.positions_P = torch.arange(cache.max_model_len, device=device)
         self.rows_S = torch.arange(cache.num_slots, device=device)
-        # Flash varlen decode: query b is token b; slot b's keys start at b * max_model_len of the flat cache.
-        self.query_starts_S1 = torch.arange(cache.num_slots + 1, device=device, dtype=torch.int32)
-        self.key_starts_S1 = self.query_starts_S1 * cache.max_model_len
+        # Flash varlen decode: row b holds G query rows (its q heads of one kv head each, see
+        # _flash_decode_attention); slot b's keys start at b * max_model_len of the flat cache.
+        rows_S1 = torch.arange(cache.num_slots + 1, device=device, dtype=torch.int32)
+        self.query_starts_S1 = rows_S1 * (spec.num_heads // spec.num_kv_heads)
+        self.key_starts_S1 = rows_S1 * cache.max_model_len
         self.flash_decode = False
 
     # ----------------------------------------------------------------------------------------- shared pieces
@@ -231,24 +233,34 @@ class MoeDecoder:
     def _flash_decode_attention(
         self, layer_index: int, q_BND: torch.Tensor, num_keys_B: torch.Tensor, max_keys: int
     ) -> torch.Tensor:
-        """softmax(q K^T / sqrt(D)) V of row b over the first num_keys_B[b] positions of slot b, as [B, N * D]."""
-        b = q_BND.shape[0]
+        """softmax(q K^T / sqrt(D)) V of row b over the first num_keys_B[b] positions of slot b, as [B, N * D].
+
+        GQA folded into the query length: the G q heads of kv head m become G query rows of a sequence with M
+        heads (no causal mask: they all sit at the same position), so each (row, kv head) block of the cache is
+        read by one thread block, not by G of them."""
+        s = self.spec
+        b, groups = q_BND.shape[0], s.num_heads // s.num_kv_heads
+        q_XMD = (
+            q_BND.view(b, s.num_kv_heads, groups, s.head_dim)
+            .transpose(1, 2)
+            .reshape(-1, s.num_kv_heads, s.head_dim)
+        )
         k_flat, v_flat = self.cache.flat(layer_index)
-        out_BND = torch.ops.aten._flash_attention_forward(
-            q_BND,
+        out_XMD = torch.ops.aten._flash_attention_forward(
+            q_XMD,
             k_flat,
             v_flat,
             self.query_starts_S1[: b + 1],
             self.key_starts_S1[: b + 1],
-            1,
+            groups,
             max_keys,
             0.0,
             False,
             False,
-            scale=self.spec.head_dim**-0.5,
+            scale=s.head_dim**-0.5,
             seqused_k=num_keys_B,
         )[0]
-        return out_BND.reshape(b, self.spec.q_size)
+        return out_XMD.view(b, groups, s.num_kv_heads, s.head_dim).transpose(1, 2).reshape(b, s.q_size)
 
     # ----------------------------------------------------------------------------------------- prefill
     def prefill(

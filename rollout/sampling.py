@@ -3,7 +3,8 @@
 Randomness is counter based: the uniform number that picks token t of a request is a hash of (request seed,
 position t in the sequence), independent of which other requests share the batch, of the batch row and of
 whether the request was resumed from a prefix (a T-PPO window continues the same random stream). The token is
-drawn by inverse CDF: the first token whose cumulative probability exceeds u (float64 cumulative sums). The hash
+drawn by inverse CDF: the first token whose cumulative probability exceeds u (float64 sums, in two levels:
+vocabulary blocks, then inside the chosen block). The hash
 exists twice with identical bits: in numpy (`counter_uniform`, the reference) and in torch int64 arithmetic
 (`counter_uniform_torch`, which runs on the device inside the captured decode graph: no host work per step).
 
@@ -89,6 +90,35 @@ def top_k_top_p_mask(scaled_BV: torch.Tensor, top_k_B: torch.Tensor, top_p_B: to
     return scaled_BV >= threshold_B[:, None]
 
 
+def _block_size(vocab: int) -> int:
+    return next(b for b in (256, 128, 64, 32, 16, 8, 4, 2, 1) if vocab % b == 0)
+
+
+def inverse_cdf(weights_BV: torch.Tensor, uniform_B: torch.Tensor) -> torch.Tensor:
+    """The first token t with sum_{v <= t} w_v > u * sum_v w_v, for non-negative unnormalised weights w, in two
+    levels (float64 sums of vocabulary blocks, then a cumulative sum inside the chosen block only) instead of a
+    float64 cumulative sum over the whole vocabulary. Targets are clipped below the totals, so the token drawn
+    always has a positive weight (a token masked to 0 by top-k/top-p can never come out of rounding)."""
+    num_rows, vocab = weights_BV.shape
+    block = _block_size(vocab)
+    blocks_BJC = weights_BV.view(num_rows, vocab // block, block)
+    cum_BJ = blocks_BJC.sum(-1, dtype=torch.float64).cumsum(-1)
+    total_B = cum_BJ[:, -1]
+    target_B = torch.minimum(
+        uniform_B.double() * total_B, torch.nextafter(total_B, torch.zeros_like(total_B))
+    )
+    j_B = torch.searchsorted(cum_BJ, target_B[:, None], right=True).squeeze(1).clamp_(max=vocab // block - 1)
+    before_B = torch.where(j_B > 0, cum_BJ.gather(1, (j_B - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
+    index_B1C = j_B[:, None, None].expand(num_rows, 1, block)
+    inner_BC = blocks_BJC.gather(1, index_B1C).squeeze(1).double().cumsum(-1)
+    inner_total_B = inner_BC[:, -1]
+    inner_target_B = torch.minimum(
+        (target_B - before_B).clamp(min=0), torch.nextafter(inner_total_B, torch.zeros_like(inner_total_B))
+    )
+    i_B = torch.searchsorted(inner_BC, inner_target_B[:, None], right=True).squeeze(1).clamp_(max=block - 1)
+    return j_B * block + i_B
+
+
 def sample(
     logits_BV: torch.Tensor,
     temperature_B: torch.Tensor,
@@ -98,18 +128,17 @@ def sample(
     filtered: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens [B] and their log-probs [B] (see the module docstring); `filtered` False skips the top-k/p sort.
-    log p(t) = z_t - logsumexp(z), z = logits / T (T = 1 for greedy rows), computed in fp32."""
-    logits_BV = logits_BV.float()
+    log p(t) = z_t - logsumexp(z), z = logits / T (T = 1 for greedy rows), computed in fp32; the draw is an
+    inverse CDF over exp(z - max z) (kept tokens only when filtered). Five passes over [B, V] when unfiltered."""
     greedy_B = temperature_B <= 0
-    scaled_BV = logits_BV / torch.where(greedy_B, 1.0, temperature_B)[:, None]
-    lse_B = torch.logsumexp(scaled_BV, dim=-1)
+    scaled_BV = torch.div(logits_BV, torch.where(greedy_B, 1.0, temperature_B).float()[:, None])
+    if scaled_BV.dtype != torch.float32:
+        scaled_BV = scaled_BV.float()
+    max_B, argmax_B = scaled_BV.max(dim=-1)
+    exp_BV = (scaled_BV - max_B[:, None]).exp_()
+    lse_B = max_B + torch.log(exp_BV.sum(-1))
     if filtered:
-        keep_BV = top_k_top_p_mask(scaled_BV, top_k_B, top_p_B)
-        probs_BV = torch.softmax(scaled_BV.masked_fill(~keep_BV, float("-inf")), dim=-1)
-    else:
-        probs_BV = torch.exp(scaled_BV - lse_B[:, None])
-    cdf_BV = torch.cumsum(probs_BV, dim=-1, dtype=torch.float64)
-    target_B1 = (uniform_B * cdf_BV[:, -1]).unsqueeze(1)
-    drawn_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1).clamp_(max=logits_BV.shape[-1] - 1)
-    tokens_B = torch.where(greedy_B, logits_BV.argmax(dim=-1), drawn_B)
+        exp_BV = exp_BV.masked_fill_(~top_k_top_p_mask(scaled_BV, top_k_B, top_p_B), 0.0)
+    drawn_B = inverse_cdf(exp_BV, uniform_B)
+    tokens_B = torch.where(greedy_B, argmax_B, drawn_B)
     return tokens_B, scaled_BV.gather(1, tokens_B[:, None]).squeeze(1) - lse_B

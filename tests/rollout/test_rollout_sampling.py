@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from rollout.sampling import counter_uniform, counter_uniform_torch, sample, top_k_top_p_mask
+from rollout.sampling import counter_uniform, counter_uniform_torch, inverse_cdf, sample, top_k_top_p_mask
 
 
 def _reference_keep(row: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
@@ -66,6 +66,22 @@ def test_sampled_frequencies_follow_the_filtered_distribution(top_k, top_p):
     assert freq[~keep].sum() == 0
     # Log-probs are those of the full temperature-scaled distribution, not the truncated one.
     np.testing.assert_allclose(logprobs.numpy(), np.log(full)[tokens.numpy()], atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [96, 512, 1187, 2 * 1187])
+def test_two_level_inverse_cdf_matches_a_full_cumulative_sum(vocab):
+    rng = np.random.default_rng(vocab)
+    weights = rng.exponential(size=(64, vocab)) * (rng.uniform(size=(64, vocab)) < 0.3)
+    weights[:, -1] = 0.0  # a masked last token must never be drawn, even for u -> 1
+    u = rng.uniform(size=64)
+    u[:3] = [0.0, 1 - 2**-53, 0.5]
+    got = inverse_cdf(torch.tensor(weights), torch.tensor(u)).numpy()
+    cdf = np.cumsum(weights, axis=1)
+    expected = np.array([np.searchsorted(c, x * c[-1], side="right") for c, x in zip(cdf, u)])
+    expected = np.minimum(expected, vocab - 1)
+    assert (weights[np.arange(64), got] > 0).all()
+    np.testing.assert_array_equal(got[3:], expected[3:])
+    assert got[0] == np.flatnonzero(weights[0])[0]
 
 
 def test_greedy_rows_take_argmax_with_untempered_logprob():
