@@ -11,7 +11,9 @@ Every function is free of host synchronisation (no `.item()`, no data-dependent 
 Decode attention: on CUDA (half precision) FlashAttention-2's variable-length kernel reads each slot's keys in
 place from the cache (cumulative key offsets slot * max_model_len, `seqused_k` = position + 1 keys per row, GQA
 without copying K/V); elsewhere one SDPA call with an additive mask over `[B, M, S, D]` cache views. The flash
-path is only taken after a probe on the device matched SDPA (`flash_decode_works`).
+path is only taken after a probe on the device matched SDPA (`flash_decode_works`). Measured on the H200
+(bench/rollout_kernels.py, 256 rows, 192-key bucket): 63 us per layer, the same as masked SDPA (61 us); it is
+kept because it reads only each row's own keys (no padding to the key bucket) and needs no mask.
 
 Legend: T flat tokens, B decode rows (= cache slots), X = B*G folded query rows, H hidden, C fused qkv width, N q heads, M kv heads,
 G q heads per kv head, D head dim, S attended positions, E experts, K top-k, R = T*K routed pairs,
