@@ -47,6 +47,7 @@ class RolloutWorker:
             torch.set_num_threads(num_threads)
         self.engine = RolloutEngine.from_pretrained(model_path, device=device, dtype=dtype, config=config)
         self._asleep = None
+        self._graphs = config.cuda_graphs if config is not None else True
 
     def info(self) -> WorkerInfo:
         e = self.engine
@@ -89,6 +90,8 @@ class RolloutWorker:
         if self._asleep is not None:
             return
         e = self.engine
+        # A failed capture (e.g. fp32 grouped GEMMs, which sync with the host) stays failed: do not retry it.
+        self._graphs = e.runner.use_cuda_graphs
         e.runner = None
         if e.device.type == "cuda":
             torch.cuda.synchronize(e.device)
@@ -106,7 +109,7 @@ class RolloutWorker:
         self._asleep.onload()
         self._asleep = None
         e = self.engine
-        e.runner = DecodeRunner(e.model, e.config.cuda_graphs)
+        e.runner = DecodeRunner(e.model, self._graphs)
 
     @property
     def asleep(self) -> bool:
