@@ -35,6 +35,7 @@ class PolicyTargets:
     rollout_logprobs_BT: torch.Tensor  # the rollout engine's log-probs of the same tokens
     response_mask_BT: torch.Tensor  # 1 on every response token (positive-example LM loss, SFT)
     positive_B: torch.Tensor  # 1 for finished responses with reward > 0
+    ref_logprobs_BT: torch.Tensor | None = None  # the reference policy's log-probs (filled when a KL is on)
 
 
 @dataclass

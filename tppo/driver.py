@@ -29,6 +29,7 @@ from tppo.step import (
     Verifier,
     advantages,
     fill_old_logprobs,
+    fill_ref_logprobs,
     request_seed,
     rollout_metrics,
     score_finished,
@@ -42,6 +43,7 @@ class Roles:
     critic: Trainer
     rollout: RankGroup  # the rollout engines (generate splits the requests, load_weights goes to all)
     planner: LoadPlanner | None = None  # when ReLibra is on
+    reference: Trainer | None = None  # the frozen reference policy, when a KL penalty is on
 
 
 def generate(
@@ -79,8 +81,9 @@ def rl_step(
     batch = pool.take()
     if cfg.cluster.time_shared:
         with timer("offload"):
-            for trainer in (roles.policy, roles.critic):
-                trainer.ranks.call("offload")
+            for trainer in (roles.policy, roles.critic, roles.reference):
+                if trainer is not None:
+                    trainer.ranks.call("offload")
     with timer("rollout"):
         generate(roles, batch, cfg, step, stop_ids)
     if cfg.cluster.time_shared:
@@ -117,6 +120,9 @@ def rl_step(
             metrics |= fill_old_logprobs(policy_in, outs, record)
         if record:
             step_plan = plan(roles, policy_in, timer)
+        if roles.reference is not None:
+            with timer("ref_logprobs"):
+                fill_ref_logprobs(policy_in, roles.reference.forward(policy_in))
         with timer("policy_update"):
             result = roles.policy.train(policy_in, policy_objective(cfg, policy_in), step_plan)
             metrics |= _step_metrics("tppo", result)

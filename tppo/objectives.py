@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 from tppo.batching import CriticTargets, PolicyTargets
 from tppo.engine.batch import ForwardOutput, LossOutput, TrainBatch
-from tppo.losses import clipped_value_loss, entropy_bonus, pos_lm_loss, ppo_clip_loss
+from tppo.losses import clipped_value_loss, entropy_bonus, kl_loss, pos_lm_loss, ppo_clip_loss
 
 
 @dataclass(frozen=True)
 class PolicyObjective:
-    """PPO clip (clip-higher, dual clip, optional TIS) + positive-example LM loss - entropy bonus."""
+    """PPO clip (clip-higher, dual clip, optional TIS) + positive-example LM loss - entropy bonus + KL to the
+    reference policy."""
 
     num_window_tokens: int  # all current-window tokens of the training batch
     num_positive_tokens: int  # all response tokens of positive finished responses in the batch
@@ -30,6 +31,7 @@ class PolicyObjective:
     tis_cap: float = 0.0
     pos_lm_coef: float = 0.0
     entropy_coef: float = 0.0
+    kl_coef: float = 0.0  # + kl_coef * KL(pi || pi_ref) (k3) on the window's tokens
 
     def __call__(self, out: ForwardOutput, batch: TrainBatch) -> LossOutput:
         t: PolicyTargets = batch.payload
@@ -65,6 +67,18 @@ class PolicyObjective:
             )
             total = total - self.entropy_coef * ent.loss
             metrics.update(ent.metrics)
+        if self.kl_coef:
+            if t.ref_logprobs_BT is None:
+                raise ValueError("kl_coef > 0 but the batch carries no reference log-probs (ref_logprobs_BT)")
+            kl = kl_loss(
+                out.logprobs_BT,
+                t.ref_logprobs_BT,
+                mask,
+                agg="token_mean",
+                num_tokens=max(self.num_window_tokens, 1),
+            )
+            total = total + self.kl_coef * kl.loss
+            metrics.update(kl.metrics)
         local = int(mask.sum())
         return LossOutput(loss_sum=total * max(self.num_window_tokens, 1), denominator=local, metrics=metrics)
 

@@ -1,6 +1,6 @@
 """Where every rank of every role runs: one Ray placement group for the run, a bundle per device slot.
 
-Colocated (`cluster.placement=colocated`): n = max(policy ranks, critic ranks, rollout workers) bundles; rank i
+Colocated (`cluster.placement=colocated`): n = max(ranks of any role) bundles; rank i
 of every role sits on bundle i, and the roles that share a bundle split its GPU evenly in Ray's books (the
 memory itself is time-shared: trainers offload while the rollout engine generates, the engine sleeps while they
 train; see tppo.driver). Separate: one bundle, one whole GPU, per rank of every role.
@@ -18,7 +18,7 @@ from typing import Any
 
 from tppo.config import ClusterConfig
 
-ROLES = ("policy", "critic", "rollout")
+ROLES = ("policy", "critic", "rollout", "reference")
 CPU_PER_ACTOR = 0.01  # actors are bound by their threads, not Ray's CPU count
 READY_TIMEOUT_S = 120.0
 
@@ -37,12 +37,14 @@ class Layout:
     seats: dict[str, list[Seat]]
 
 
-def layout(cluster: ClusterConfig) -> Layout:
-    """The bundles and every rank's seat (see the module docstring)."""
+def layout(cluster: ClusterConfig, reference_ranks: int = 0) -> Layout:
+    """The bundles and every rank's seat (see the module docstring); the reference policy (a KL penalty's) has
+    `reference_ranks` ranks, placed like the policy's."""
     ranks = {
         "policy": cluster.policy_ranks,
         "critic": cluster.critic_ranks,
         "rollout": cluster.rollout_workers,
+        "reference": reference_ranks,
     }
     gpu = 1.0 if cluster.gpus_per_node else 0.0
     if cluster.placement == "colocated":
@@ -87,12 +89,14 @@ class Reservation:
 
 
 @contextmanager
-def reserve(cluster: ClusterConfig, timeout_s: float = READY_TIMEOUT_S) -> Iterator[Reservation]:
+def reserve(
+    cluster: ClusterConfig, reference_ranks: int = 0, timeout_s: float = READY_TIMEOUT_S
+) -> Iterator[Reservation]:
     """Reserve the run's placement group for the block (Ray must be up); RuntimeError if it cannot be placed."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    plan = layout(cluster)
+    plan = layout(cluster, reference_ranks)
     group = placement_group(plan.bundles, strategy="PACK")
     try:
         try:

@@ -81,7 +81,7 @@ def start_trainers(
 ) -> RankGroup:
     """Start `num_ranks` TrainerWorkers of `role` (Ray actors when `remote`, in `placement`'s bundles when
     given), wait until all are built."""
-    optim = cfg.algo.actor_optim if role == "policy" else cfg.algo.critic_optim
+    optim = cfg.algo.critic_optim if role == "critic" else cfg.algo.actor_optim
     port = free_port()
     handles = []
     for rank in range(num_ranks):
@@ -92,7 +92,7 @@ def start_trainers(
             parallel,
             optim,
             total_steps,
-            cfg.run.seed + (0 if role == "policy" else 1),
+            cfg.run.seed + (1 if role == "critic" else 0),
             relibra_slots(cfg) if role == "policy" else None,
         )
         if remote:
@@ -178,6 +178,7 @@ def policy_objective(cfg: ExperimentConfig, batches: list[list[TrainBatch]]) -> 
         tis_cap=a.tis_cap,
         pos_lm_coef=a.pos_lm_coef,
         entropy_coef=a.entropy_coef,
+        kl_coef=a.kl_coef,
     )
 
 

@@ -152,7 +152,8 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
     loop_eval = prepare_loop_eval(cfg, task.tokenizer, task.stop_token_ids)
     out = run_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    with ray_session(cfg.cluster), reserve(cfg.cluster) as placement:
+    reference_ranks = cfg.cluster.policy_ranks if cfg.algo.kl_coef else 0
+    with ray_session(cfg.cluster), reserve(cfg.cluster, reference_ranks) as placement:
         roles = _start_roles(cfg, placement)
         pool = SamplePool.from_config(cfg.algo, task.dataset, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         resumed = _resume(cfg, roles, pool)
@@ -173,11 +174,14 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
         )
         if not resumed:
             history["warm_start_nll"] = warm_start(cfg, task, roles.policy)
+        if roles.reference is not None:
+            _freeze_reference(cfg, roles, fresh=not resumed)
         # The rollout engine starts from the policy's current weights (warm-started or resumed).
         roles.policy.ranks.call("export_hf", None, str(out / "rollout_init"))
         if cfg.cluster.time_shared:  # the engine sizes its KV cache from the free memory it finds
-            for trainer in (roles.policy, roles.critic):
-                trainer.ranks.call("offload")
+            for trainer in (roles.policy, roles.critic, roles.reference):
+                if trainer is not None:
+                    trainer.ranks.call("offload")
         roles.rollout = start_rollout(cfg, out / "rollout_init", remote=True, placement=placement)
         with MetricsLogger(
             out,
@@ -235,12 +239,32 @@ def _start_roles(cfg: ExperimentConfig, placement: Reservation) -> Roles:
         planner = LoadPlanner(
             cfg.relibra, cfg.model.num_experts, Trainer(policy, 1, True).router_layout(), cfg.model.moe_topk
         )
+    reference = None
+    if cfg.algo.kl_coef:
+        ref = start_trainers("reference", cfg, cfg.parallel, c.policy_ranks, True, total, placement)
+        reference = Trainer(ref, cfg.parallel.micro_batch_size, cfg.algo.routing_replay == "r3")
     return Roles(
         policy=Trainer(policy, cfg.parallel.micro_batch_size, cfg.algo.routing_replay == "r3"),
         critic=Trainer(critic, cfg.parallel.micro_batch_size, False),
         rollout=None,
         planner=planner,
+        reference=reference,
     )
+
+
+def _freeze_reference(cfg: ExperimentConfig, roles: Roles, fresh: bool) -> None:
+    """The reference policy is the policy as RL starts (after the warm start). Its shards are written once into
+    the run directory, so a resumed run loads the same reference rather than the resumed policy."""
+    folder = run_dir(cfg) / "reference"
+    shards = [(str(folder / f"rank{r}.pt"),) for r in range(roles.policy.ranks.size)]
+    if fresh:
+        folder.mkdir(parents=True, exist_ok=True)
+        roles.policy.ranks.call("save", shards)
+    elif not all(Path(s[0]).exists() for s in shards):
+        raise FileNotFoundError(
+            f"algo.kl_coef={cfg.algo.kl_coef} but the reference policy of this run is missing from {folder}"
+        )
+    roles.reference.ranks.call("load", shards)
 
 
 def _remember(history: dict[str, Any], m: dict[str, float]) -> None:

@@ -168,6 +168,13 @@ def fill_old_logprobs(policy_batches, forward_outputs, take_routing: bool = Fals
     return {k.replace("tppo/mismatch_", "mismatch/"): v for k, v in m.items()}
 
 
+def fill_ref_logprobs(policy_batches, forward_outputs) -> None:
+    """Store the reference policy's log-probs of the same tokens (the KL penalty's target)."""
+    for rank_batches, rank_outs in zip(policy_batches, forward_outputs, strict=True):
+        for b, out in zip(rank_batches, rank_outs, strict=True):
+            b.payload.ref_logprobs_BT = out.logprobs_BT.detach().float()
+
+
 def rollout_metrics(batch: Sequence[Sample], retired: Sequence[Sample], seconds: float) -> dict[str, float]:
     new_tokens = [len(s.window_ids) for s in batch]
     out = {

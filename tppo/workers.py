@@ -71,8 +71,10 @@ class TrainerWorker:
         from tppo.engine.engine import MegatronEngine
 
         self.spec = spec
+        # The reference policy is a policy network that only ever runs forward.
+        engine_role = "critic" if spec.role == "critic" else "policy"
         self.engine = MegatronEngine(
-            model, parallel, optim, role=spec.role, total_steps=total_steps, seed=seed
+            model, parallel, optim, role=engine_role, total_steps=total_steps, seed=seed
         )
         self.executor = None
         if relibra is not None:

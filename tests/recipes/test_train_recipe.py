@@ -122,6 +122,19 @@ def test_default_recipe_runs_and_resumes_after_kill(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.dist
+def test_kl_penalty_runs_a_frozen_reference_policy(tmp_path):
+    """With algo.kl_coef a reference role holds the policy as RL starts: the first update sees KL = 0 (same weights,
+    same replayed routing), the second a positive KL; the reference is written once into the run directory."""
+    done = _run(_cmd(tmp_path, "kl", "algo.kl_coef=0.05", "algo.critic_warmup_steps=0", "run.num_steps=3"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["tppo/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert rows[1]["tppo/kl"] > 1e-6 and rows[2]["tppo/kl"] > 1e-6
+    assert sorted(p.name for p in (tmp_path / "kl" / "reference").iterdir()) == ["rank0.pt", "rank1.pt"]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
 def test_bad_override_fails_before_anything_starts(tmp_path):
     result = _run(_cmd(tmp_path, "bad", "algo.window=0"), timeout=120)
     assert result.returncode == 2

@@ -22,6 +22,9 @@ def test_colocated_ranks_share_bundles_and_split_each_gpu():
         shares = [s.num_gpus for seats in plan.seats.values() for s in seats if s.bundle == i]
         assert sum(shares) == pytest.approx(1.0)
     assert plan.seats["policy"][0].num_gpus == pytest.approx(1 / 3)
+    with_ref = layout(ClusterConfig(gpus_per_node=2, policy_ranks=2, critic_ranks=2), reference_ranks=2)
+    assert [s.bundle for s in with_ref.seats["reference"]] == [0, 1]
+    assert with_ref.seats["reference"][1].num_gpus == pytest.approx(1 / 3)  # policy, critic, reference
 
 
 def test_separate_ranks_get_a_whole_gpu_each_and_cpu_runs_ask_for_none():
