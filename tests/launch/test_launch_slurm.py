@@ -36,9 +36,9 @@ class Recipe:
     job_s: int
 
 
-# What the jobs run. The sbatch job trains (a short default recipe: EP=2 policy and critic, rollout, ReLibra,
-# checkpoints) on the Ray cluster the job brings up; the training actors ask Ray for 0.01 CPU each, so one
-# Slurm CPU is enough to schedule them. The cancel and sweep jobs only need a recipe that runs on the cluster:
+# What the jobs run. The sbatch job and each sweep job train (a short default recipe: EP=2 policy and critic,
+# rollout, ReLibra) on the Ray cluster the job brings up; the training actors ask Ray for 0.01 CPU each, so one
+# Slurm CPU is enough to schedule them. The job that is cancelled only needs a recipe that runs on the cluster:
 # recipes.check composes, validates and prints the job's config.
 TRAIN = Recipe(
     "train",
@@ -207,11 +207,11 @@ def test_scancel_tears_the_ray_cluster_down(slurm, tmp_path):
 
 def test_hydra_sweep_runs_each_point_as_a_slurm_job_with_its_own_ray_cluster(slurm, tmp_path):
     sweep, outputs = tmp_path / "sweep", tmp_path / "runs"
-    cmd = [sys.executable, "-m", f"recipes.{RECIPE.name}", "-m", "hydra/launcher=slurm",
-           f"hydra.sweep.dir={sweep}", f"hydra.launcher.cpus_per_task={RECIPE.cpus}", f"hydra.launcher.timeout_min={RECIPE.job_s // 60 + 5}",
-           "cluster.ray_address=auto", *RECIPE.args, f"run.output_dir={outputs}", "run.name=sweep_a,sweep_b"]  # fmt: skip
+    cmd = [sys.executable, "-m", f"recipes.{TRAIN.name}", "-m", "hydra/launcher=slurm",
+           f"hydra.sweep.dir={sweep}", f"hydra.launcher.cpus_per_task={TRAIN.cpus}", f"hydra.launcher.timeout_min={TRAIN.job_s // 60 + 5}",
+           "cluster.ray_address=auto", *TRAIN.args, f"run.output_dir={outputs}", "run.name=sweep_a,sweep_b"]  # fmt: skip
     hydra = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline, array_id = time.monotonic() + RECIPE.job_s + 60, None
+    deadline, array_id = time.monotonic() + TRAIN.job_s + 60, None
     try:
         while hydra.poll() is None:
             assert time.monotonic() < deadline, "the sweep did not finish in time"
@@ -249,8 +249,8 @@ def test_hydra_sweep_runs_each_point_as_a_slurm_job_with_its_own_ray_cluster(slu
         assert "stopping the Ray cluster" in log
         assert "Ray runtime started" in (folder / "ray" / "ray-head.log").read_text()
         assert (folder / "ray" / "ray-logs" / HOST / "raylet.out").is_file()
-        names.add(run_name_in(log))
-        check_recipe_outputs(log, outputs, run_name_in(log))
+        names.add(run_name_in(log, TRAIN))
+        check_recipe_outputs(log, outputs, run_name_in(log, TRAIN), TRAIN)
     assert names == {"sweep_a", "sweep_b"}
     for job_id in job_ids:
         assert ray_processes_of(job_id) == [] and not Path(f"/tmp/ray-{job_id}").exists()
