@@ -446,7 +446,10 @@ class ExpertExecutor:
                 full = value.detach().reshape(param.shape).clone()
                 sent += move_slots(full, moves, self.group)
                 moved[key] = full.reshape(value.shape)
-            opt._set_main_param_and_optimizer_states(param, {**tensors, **moved})
+            with (
+                torch.no_grad()
+            ):  # the fp32 main parameter is a leaf that requires grad: copy into it untracked
+                opt._set_main_param_and_optimizer_states(param, {**tensors, **moved})
         return sent
 
     # ----------------------------------------------------------------- checkpoints

@@ -42,6 +42,10 @@ def test_permuting_slots_between_steps_changes_nothing(optimizer):
     batches = W.make_batches(1, 2, seed=5)[0]
     E = W.TINY["num_experts"]
     orders = [list(range(E))[::-1], [3, 0, 7, 1, 6, 2, 5, 4]]
+    # fp32 on CPU: the same numbers up to summation order. bf16 on GPU (Megatron's optimizer): a permuted slot
+    # order changes bf16 rounding (~1e-5 of the loss); Adam moments left behind by a move would instead shift the
+    # moved experts' weights by ~lr per step, 10x the weight tolerance.
+    rel, rtol, atol = (1e-6, 1e-5, LR / 100) if optimizer == "torch" else (1e-4, 1e-2, LR / 10)
     for step, order in enumerate(orders):
         layers = [order, order[::-1]]
         stats = executor.migrate_slots(torch.tensor(layers).unsqueeze(1).numpy())
@@ -49,11 +53,11 @@ def test_permuting_slots_between_steps_changes_nothing(optimizer):
         assert [list(layer.experts.logical_expert_ids) for layer in moved.moe_layers] == layers
         loss_static = static.train_step(batches, nll_loss).loss
         loss_moved = moved.train_step(batches, nll_loss).loss
-        assert loss_moved == pytest.approx(loss_static, rel=1e-6), step
+        assert loss_moved == pytest.approx(loss_static, rel=rel), step
     want, got = W._hf_weights(static), W._hf_weights(moved)
     assert sorted(want) == sorted(got)
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=LR / 100, msg=name)
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=name)
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])

@@ -132,5 +132,12 @@ def test_permutation_has_no_host_sync_and_matches_megatron_bf16():
     permuted, _, idx = permute(xr, routing_NE)
     y_ref = unpermute(permuted * w, idx, restore_shape=xr.shape, routing_map=routing_NE)
     y_ref.float().sum().backward()
-    torch.testing.assert_close(y.float(), y_ref.float(), rtol=2e-2, atol=5e-2)
+    # Both bf16 paths against Megatron's own path in fp64: ours sums a token's K copies in fp32, Megatron's in
+    # bf16, so ours must be at least as close to the exact result (and within bf16 rounding of it).
+    permuted64, _, idx64 = permute(x.double(), routing_NE)
+    y64 = unpermute(permuted64 * w.double(), idx64, restore_shape=x.shape, routing_map=routing_NE)
+    err_ours = (y.double() - y64).abs().max().item()
+    err_megatron = (y_ref.double() - y64).abs().max().item()
+    assert err_ours <= err_megatron + 1e-6, (err_ours, err_megatron)
+    torch.testing.assert_close(y.double(), y64, rtol=2e-2, atol=5e-2)
     torch.testing.assert_close(xi.grad.float(), xr.grad.float(), rtol=2e-2, atol=5e-2)
