@@ -96,7 +96,7 @@ class RolloutWorker:
         if e.device.type == "cuda":
             torch.cuda.synchronize(e.device)
         self._asleep = StorageOffloader()
-        self._asleep.offload(_tensors(e.weights), drop=[e.cache.k_LSPND, e.cache.v_LSPND])
+        self._asleep.offload(e.weights.tensors(), drop=[e.cache.k_LSPND, e.cache.v_LSPND])
         if e.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -114,14 +114,3 @@ class RolloutWorker:
     @property
     def asleep(self) -> bool:
         return self._asleep is not None
-
-
-def _tensors(weights) -> list[torch.Tensor]:
-    """Every tensor of a ModelWeights record (per-layer records included)."""
-    out = []
-    for value in vars(weights).values():
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, list):
-            out += [t for layer in value for t in _tensors(layer)]
-    return out

@@ -81,9 +81,7 @@ def rl_step(
     batch = pool.take()
     if cfg.cluster.time_shared:
         with timer("offload"):
-            for trainer in (roles.policy, roles.critic, roles.reference):
-                if trainer is not None:
-                    trainer.ranks.call("offload")
+            offload_trainers(roles)
     with timer("rollout"):
         generate(roles, batch, cfg, step, stop_ids)
     if cfg.cluster.time_shared:
@@ -136,6 +134,13 @@ def rl_step(
     metrics |= rollout_metrics(batch, outcome.retired, timer.seconds["rollout"]) | timer.metrics()
     metrics |= {f"rollout/pool_{k.split('/', 1)[1]}": v for k, v in outcome.metrics().items()}
     return metrics
+
+
+def offload_trainers(roles: Roles) -> None:
+    """Free the devices for the rollout engine: every trainer role moves its state to host memory."""
+    for trainer in (roles.policy, roles.critic, roles.reference):
+        if trainer is not None:
+            trainer.ranks.call("offload")
 
 
 def plan(roles: Roles, policy_in: list[list[Any]], timer: PhaseTimer) -> StepPlan | None:

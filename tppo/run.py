@@ -23,7 +23,7 @@ from tppo.balance import LoadPlanner
 from tppo.batching import place, policy_batch, split_for_ranks
 from tppo.cluster import ray_session
 from tppo.config import ExperimentConfig, ParallelConfig
-from tppo.driver import Roles, rl_step
+from tppo.driver import Roles, offload_trainers, rl_step
 from tppo.loop_eval import LoopEval, due, prepare_loop_eval, run_loop_eval
 from tppo.metrics import MetricsLogger, progress
 from tppo.placement import Reservation, reserve
@@ -157,21 +157,7 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
         roles = _start_roles(cfg, placement)
         pool = SamplePool.from_config(cfg.algo, task.dataset, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         resumed = _resume(cfg, roles, pool)
-        start, history = (
-            (resumed[0] + 1, resumed[1])
-            if resumed
-            else (
-                0,
-                {
-                    "reward": [],
-                    "length": [],
-                    "multi_window": [],
-                    "tokens_per_s": [],
-                    "skew_static": [],
-                    "skew_planned": [],
-                },
-            )
-        )
+        start, history = (resumed[0] + 1, resumed[1]) if resumed else (0, {})
         if not resumed:
             history["warm_start_nll"] = warm_start(cfg, task, roles.policy)
         if roles.reference is not None:
@@ -179,9 +165,7 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
         # The rollout engine starts from the policy's current weights (warm-started or resumed).
         roles.policy.ranks.call("export_hf", None, str(out / "rollout_init"))
         if cfg.cluster.time_shared:  # the engine sizes its KV cache from the free memory it finds
-            for trainer in (roles.policy, roles.critic, roles.reference):
-                if trainer is not None:
-                    trainer.ranks.call("offload")
+            offload_trainers(roles)
         roles.rollout = start_rollout(cfg, out / "rollout_init", remote=True, placement=placement)
         with MetricsLogger(
             out,
@@ -231,21 +215,22 @@ def _loop(
 
 
 def _start_roles(cfg: ExperimentConfig, placement: Reservation) -> Roles:
-    total, c = cfg.run.num_steps, cfg.cluster
-    policy = start_trainers("policy", cfg, cfg.parallel, c.policy_ranks, True, total, placement)
+    total, c, mbs = cfg.run.num_steps, cfg.cluster, cfg.parallel.micro_batch_size
+    routing = cfg.algo.routing_replay == "r3"
+    policy = Trainer(
+        start_trainers("policy", cfg, cfg.parallel, c.policy_ranks, True, total, placement), mbs, routing
+    )
     critic = start_trainers("critic", cfg, critic_parallel(cfg), c.critic_ranks, True, total, placement)
     planner = None
     if relibra_applies(cfg):
-        planner = LoadPlanner(
-            cfg.relibra, cfg.model.num_experts, Trainer(policy, 1, True).router_layout(), cfg.model.moe_topk
-        )
+        planner = LoadPlanner(cfg.relibra, cfg.model.num_experts, policy.router_layout(), cfg.model.moe_topk)
     reference = None
     if cfg.algo.kl_coef:
         ref = start_trainers("reference", cfg, cfg.parallel, c.policy_ranks, True, total, placement)
-        reference = Trainer(ref, cfg.parallel.micro_batch_size, cfg.algo.routing_replay == "r3")
+        reference = Trainer(ref, mbs, routing)
     return Roles(
-        policy=Trainer(policy, cfg.parallel.micro_batch_size, cfg.algo.routing_replay == "r3"),
-        critic=Trainer(critic, cfg.parallel.micro_batch_size, False),
+        policy=policy,
+        critic=Trainer(critic, mbs, False),
         rollout=None,
         planner=planner,
         reference=reference,

@@ -128,26 +128,32 @@ class TrainerWorker:
         """One optimizer step; with a ReLibra `plan`, the experts are placed and replicated by it meanwhile."""
         self._awake()
         batches, replay = list(batches), _replayed(batches)
-        if plan is None or self.executor is None:
-            return self.engine.train_step(batches, objective, require_replay=replay)
-        try:
-            self.executor.begin_step(plan, loads_MLSE, num_microbatches=len(batches))
-        except PlanError as err:
-            # Every rank refused together (the executor votes before anything moves): train as placed.
-            _log.warning(
-                "rank %d: ReLibra plan refused, training under the current placement: %s", self.spec.rank, err
-            )
-            result = self.engine.train_step(batches, objective, require_replay=replay)
-            result.metrics |= {"relibra/exec_refused": 1.0}
-            return result
+        use_plan = plan is not None and self.executor is not None
+        applied = use_plan and self._begin_plan(plan, loads_MLSE, len(batches))
         try:
             result = self.engine.train_step(batches, objective, require_replay=replay)
         except BaseException:
-            with contextlib.suppress(Exception):
-                self.executor.end_step()
+            if applied:
+                with contextlib.suppress(Exception):
+                    self.executor.end_step()
             raise
-        result.metrics |= self.executor.end_step() | {"relibra/exec_refused": 0.0}
+        if use_plan:
+            result.metrics |= (self.executor.end_step() if applied else {}) | {
+                "relibra/exec_refused": float(not applied)
+            }
         return result
+
+    def _begin_plan(self, plan: Plan, loads_MLSE: np.ndarray, num_microbatches: int) -> bool:
+        """Apply `plan` for the coming step; False when the ranks refused it (they vote before anything moves,
+        so all refuse together and train under the current placement)."""
+        try:
+            self.executor.begin_step(plan, loads_MLSE, num_microbatches=num_microbatches)
+        except PlanError as err:
+            _log.warning(
+                "rank %d: ReLibra plan refused, training under the current placement: %s", self.spec.rank, err
+            )
+            return False
+        return True
 
     def hf_weights(self, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
         """Every rank must call this (the export gathers experts); rank 0 returns the buckets, others []."""
