@@ -430,26 +430,32 @@ class ExpertExecutor:
         """
         sent = 0
         chained = getattr(self.engine.optimizer, "chained_optimizers", [self.engine.optimizer])
-        for opt in chained:
-            if param not in opt.model_param_group_index_map:
+        owners = [opt for opt in chained if param in opt.model_param_group_index_map]
+        if len(owners) != 1:
+            raise RuntimeError(
+                f"expert parameter {tuple(param.shape)} is in {len(owners)} Megatron optimizers, not 1"
+            )
+        opt = owners[0]
+        tensors = opt._get_main_param_and_optimizer_states(param)
+        moved = {}
+        for key, value in tensors.items():
+            if not isinstance(value, torch.Tensor) or value.numel() <= 1:
                 continue
-            tensors = opt._get_main_param_and_optimizer_states(param)
-            moved = {}
-            for key, value in tensors.items():
-                if not isinstance(value, torch.Tensor) or value.numel() <= 1:
-                    continue
-                if value.numel() != param.numel():
-                    raise NotImplementedError(
-                        "expert migration with Megatron's distributed optimizer sharded over expert-data-parallel "
-                        f"ranks is not implemented ({key}: {value.numel()} of {param.numel()} values here)"
-                    )
-                full = value.detach().reshape(param.shape).clone()
-                sent += move_slots(full, moves, self.group)
-                moved[key] = full.reshape(value.shape)
-            with (
-                torch.no_grad()
-            ):  # the fp32 main parameter is a leaf that requires grad: copy into it untracked
-                opt._set_main_param_and_optimizer_states(param, {**tensors, **moved})
+            # fp32 model parameters have no separate master copy: Megatron's "main param" is a view of the
+            # parameter's own buffer, which move_slots has already rewritten.
+            if value.untyped_storage().data_ptr() == param.data.untyped_storage().data_ptr():
+                continue
+            if value.numel() != param.numel():
+                raise NotImplementedError(
+                    "expert migration with Megatron's distributed optimizer sharded over expert-data-parallel "
+                    f"ranks is not implemented ({key}: {value.numel()} of {param.numel()} values here)"
+                )
+            full = value.detach().reshape(param.shape).clone()
+            sent += move_slots(full, moves, self.group)
+            moved[key] = full.reshape(value.shape)
+        # The fp32 main parameter is a leaf that requires grad: copy into it untracked.
+        with torch.no_grad():
+            opt._set_main_param_and_optimizer_states(param, {**tensors, **moved})
         return sent
 
     # ----------------------------------------------------------------- checkpoints

@@ -36,10 +36,13 @@ def reroute_routing(
             f"inst_EI {tuple(inst_EI.shape)} and cum_EI {tuple(cum_EI.shape)} must both be [E={e}, I]"
         )
     routed = routing_map_NE.bool()
-    rank_NE = torch.cumsum(routed.to(torch.int64), dim=0) - 1
-    # cum_EI is non-decreasing along I: a batched binary search per expert, [E, N] of memory.
-    idx_NE = torch.searchsorted(cum_EI.contiguous(), rank_NE.T.contiguous(), right=True).T
-    phys_NE = inst_EI[torch.arange(e, device=inst_EI.device).unsqueeze(0), idx_NE]
+    # The running count over tokens as a scan along the contiguous dim: CUDA's scan over the outer dim of [N, E]
+    # takes ~0.7 ms at N = 4096 (measured on the H200), the transposed one a few microseconds.
+    rank_NE = (torch.cumsum(routed.t().contiguous(), dim=1, dtype=torch.int32) - 1).t()
+    # I is a few instances: i(n, e) = #{i : cum[e, i] <= rank(n, e)} is one broadcast compare [N, E, I].
+    idx_NE = (cum_EI.unsqueeze(0) <= rank_NE.unsqueeze(-1)).sum(-1)
+    flat_NE = torch.arange(e, device=inst_EI.device) * inst_EI.shape[1] + idx_NE
+    phys_NE = torch.take(inst_EI, flat_NE)
     # Unrouted pairs go to a spare column that is dropped: no two routed pairs of a token share a slot.
     phys_NE = torch.where(routed, phys_NE, num_phys)
     src = torch.where(routed, probs_NE, torch.zeros((), dtype=probs_NE.dtype, device=probs_NE.device))

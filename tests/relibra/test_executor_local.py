@@ -24,28 +24,29 @@ LR = 1e-2  # test_executor_workers._engine
 CUDA = torch.cuda.is_available()
 
 
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="Megatron's optimizer needs CUDA")]
+
+
 @pytest.mark.parametrize(
-    "optimizer",
+    "optimizer, dtype",
     [
-        pytest.param("torch", id="torch-adamw"),
-        pytest.param(
-            "megatron",
-            id="megatron-distributed",
-            marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="Megatron's optimizer needs CUDA")],
-        ),
+        pytest.param("torch", "float32", id="torch-adamw"),
+        # fp32: Megatron's main parameter is a view of the model parameter; bf16: a separate fp32 master copy.
+        pytest.param("megatron", "float32", id="megatron-distributed-fp32", marks=GPU),
+        pytest.param("megatron", "bfloat16", id="megatron-distributed-bf16", marks=GPU),
     ],
 )
-def test_permuting_slots_between_steps_changes_nothing(optimizer):
-    static = W._engine(1, optimizer=optimizer)
-    moved = W._engine(1, optimizer=optimizer)
+def test_permuting_slots_between_steps_changes_nothing(optimizer, dtype):
+    static = W._engine(1, optimizer=optimizer, dtype=dtype)
+    moved = W._engine(1, optimizer=optimizer, dtype=dtype)
     executor = ExpertExecutor(moved)
     batches = W.make_batches(1, 2, seed=5)[0]
     E = W.TINY["num_experts"]
     orders = [list(range(E))[::-1], [3, 0, 7, 1, 6, 2, 5, 4]]
-    # fp32 on CPU: the same numbers up to summation order. bf16 on GPU (Megatron's optimizer): a permuted slot
-    # order changes bf16 rounding (~1e-5 of the loss); Adam moments left behind by a move would instead shift the
-    # moved experts' weights by ~lr per step, 10x the weight tolerance.
-    rel, rtol, atol = (1e-6, 1e-5, LR / 100) if optimizer == "torch" else (1e-4, 1e-2, LR / 10)
+    # torch's AdamW in fp32: the same numbers up to summation order. Megatron's optimizer on a GPU: a permuted slot
+    # order changes the grouped GEMM's rounding (TF32 / bf16, ~1e-4 of the loss). A weight or Adam moment left in
+    # the wrong slot would be off by the init scale (~0.1) or ~lr per step, 10x the weight tolerance.
+    rel, rtol, atol = (1e-6, 1e-5, LR / 100) if optimizer == "torch" else (1e-3, 1e-2, LR / 10)
     for step, order in enumerate(orders):
         layers = [order, order[::-1]]
         stats = executor.migrate_slots(torch.tensor(layers).unsqueeze(1).numpy())
@@ -57,7 +58,13 @@ def test_permuting_slots_between_steps_changes_nothing(optimizer):
     want, got = W._hf_weights(static), W._hf_weights(moved)
     assert sorted(want) == sorted(got)
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=name)
+        if optimizer == "torch":
+            torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=name)
+            continue
+        # Adam's first steps move each weight by ~lr * sign(grad): rounding noise may flip the sign of a
+        # near-zero gradient here and there, a misplaced expert or moment changes most of its weights.
+        off = (got[name].float() - want[name].float()).abs() > atol + rtol * want[name].float().abs()
+        assert off.float().mean().item() <= 0.01, (name, off.float().mean().item())
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])

@@ -114,12 +114,13 @@ def _engine(
     recompute: bool = False,
     optimizer: str = "auto",
     aux_loss: float = 0.0,
+    dtype: str = "float32",
 ):
     from tppo.config import ModelConfig, OptimConfig, ParallelConfig
     from tppo.engine.engine import MegatronEngine
 
     return MegatronEngine(
-        ModelConfig(**TINY, router_aux_loss_coef=aux_loss),
+        ModelConfig(**TINY, router_aux_loss_coef=aux_loss, dtype=dtype),
         ParallelConfig(expert_parallel=ep, recompute=recompute),
         OptimConfig(lr=1e-2, grad_clip=0.0),
         seed=3,

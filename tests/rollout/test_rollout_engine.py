@@ -3,6 +3,8 @@ seeds, chunked prefill, weight sync) on tiny random Qwen3-MoE and Mixtral checkp
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -58,6 +60,53 @@ def test_greedy_logprobs_and_routing_match_transformers(tiny):
         assert out.finish_reason == "length" and not out.finished
     dense = [i for i in range(3) if i not in engine.moe_layers]
     assert dense == list(getattr(hf.config, "mlp_only_layers", []))
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 64])
+def test_padded_expert_path_matches_transformers(tiny, capacity):
+    """The dense per-expert path (GPU decode) with pairs past an expert's capacity through grouped GEMMs: capacity
+    1 and 2 overflow on nearly every expert, 64 never does."""
+    path, hf = tiny
+    engine = RolloutEngine.from_pretrained(path, config=small_config())
+    engine.model.capacity_for = lambda num_pairs, num_experts: capacity
+    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0))
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == hf_greedy(hf, prompt, 6)
+        ref_lp, ref_routes = hf_logprobs_and_routes(hf, prompt + out.token_ids, len(prompt))
+        np.testing.assert_allclose(out.logprobs, ref_lp, atol=1e-4, rtol=0)
+        np.testing.assert_array_equal(out.routed_experts, ref_routes)
+
+
+def test_padded_capacity_rule():
+    from rollout.model import padded_capacity
+
+    assert padded_capacity(256 * 8, 128) == 32  # decode at batch 256, Qwen3-30B-A3B: 16 pairs per expert
+    assert padded_capacity(32 * 8, 128) is None  # 2 pairs per expert: grouped GEMMs
+    assert padded_capacity(4096 * 8, 128) is None  # prefill: padding would waste compute
+    assert padded_capacity(256 * 2, 8) == 128  # Mixtral at batch 256: 64 pairs per expert
+
+
+def test_compiled_glue_falls_back_to_eager_once(monkeypatch):
+    from rollout import model
+
+    def broken_compile(fn, **_):
+        def run(*args):
+            raise RuntimeError("no compiler here")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    glue = model.compiled_or_eager(model.swiglu)
+    x = torch.randn(3, 8)
+    with pytest.warns(UserWarning, match="torch.compile of swiglu failed .*no compiler here"):
+        first = glue(x)
+    torch.testing.assert_close(first, model.swiglu(x), rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # eager from now on: no second attempt, no second warning
+        torch.testing.assert_close(glue(x), first, rtol=0, atol=0)
+    failing = model.compiled_or_eager(lambda t: t.view(5, 5))
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="shape"):
+        failing(x)  # the eager function's own error surfaces
 
 
 def test_eos_stops_like_transformers(tiny):

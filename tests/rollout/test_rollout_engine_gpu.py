@@ -34,15 +34,20 @@ def _hf_model():
     return Qwen3MoeForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
 
 
-def _engine(hf, graphs: bool) -> RolloutEngine:
+def _engine(hf, graphs: bool, capacity: int | None = None) -> RolloutEngine:
     cfg = {**hf.config.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}
     config = RolloutConfig(max_model_len=256, max_batch_size=16, kv_cache_fraction=0.05, cuda_graphs=graphs)
     engine = RolloutEngine.from_config(cfg, device="cuda", dtype=torch.bfloat16, config=config)
     engine.load_weights(hf.state_dict().items())
+    if (
+        capacity is not None
+    ):  # the padded expert path with overflow at every batch size, not only large decode
+        engine.model.capacity_for = lambda num_pairs, num_experts: capacity
     return engine
 
 
-def test_cuda_graph_decode_equals_eager_and_matches_transformers():
+@pytest.mark.parametrize("capacity", [None, 2], ids=["auto", "padded-cap2"])
+def test_cuda_graph_decode_equals_eager_and_matches_transformers(capacity):
     hf = _hf_model()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 512, size=n).tolist() for n in (5, 17, 40, 3, 9, 130)]
@@ -50,8 +55,8 @@ def test_cuda_graph_decode_equals_eager_and_matches_transformers():
         SamplingParams(max_new_tokens=n, temperature=t, seed=i)
         for i, (n, t) in enumerate(zip((20, 7, 33, 12, 150, 9), (0, 1.0, 0, 0.8, 1.0, 0)))
     ]
-    graphs = _engine(hf, graphs=True)
-    eager = _engine(hf, graphs=False)
+    graphs = _engine(hf, graphs=True, capacity=capacity)
+    eager = _engine(hf, graphs=False, capacity=capacity)
     out_g, out_e = graphs.generate(prompts, params), eager.generate(prompts, params)
     assert graphs.last_stats.cuda_graphs and graphs.runner.capture_error is None
     assert graphs.last_stats.num_graphs > 0
