@@ -95,6 +95,26 @@ class CostModel:
         except TypeError as err:
             raise ValueError(f"{where}: {err}") from None
 
+    def for_expert_shape(self, hidden_size: int, expert_ffn_hidden_size: int) -> CostModel:
+        """The same hardware for another expert shape: transfers follow the new sizes, and the expert GEMM time
+        scales with the work per pair and the weight bytes, both proportional to hidden x ffn:
+
+            a' = a r,  b' = b r,  r = (H' F') / (H F)
+
+        The attention time per token (the window that hides replica pushes) depends on the attention shape and is
+        kept; calibrate it in a YAML for a model whose attention differs much from the calibrated one.
+        """
+        if hidden_size <= 0 or expert_ffn_hidden_size <= 0:
+            raise ValueError(f"expert shape must be positive, got ({hidden_size}, {expert_ffn_hidden_size})")
+        r = hidden_size * expert_ffn_hidden_size / (self.hidden_size * self.expert_ffn_hidden_size)
+        return dataclasses.replace(
+            self,
+            hidden_size=hidden_size,
+            expert_ffn_hidden_size=expert_ffn_hidden_size,
+            gemm_us_per_token=self.gemm_us_per_token * r,
+            gemm_us_fixed=self.gemm_us_fixed * r,
+        )
+
     @property
     def expert_params(self) -> int:
         """Parameters of one SwiGLU expert: gate, up and down projections."""

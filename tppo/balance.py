@@ -24,6 +24,7 @@ from relibra.config import RelibraConfig
 from relibra.cost_model import CostModel, step_cost
 from relibra.plan import Plan, PlannerState, Topology, static_home_LE
 from relibra.planners import PlanContext, run_planner
+from tppo.config import ModelConfig
 from tppo.engine.batch import TrainBatch, replayed_ids
 
 
@@ -87,16 +88,19 @@ class StepPlan:
 class LoadPlanner:
     """Plans every step's expert placement from its exact loads, keeping the planner state between steps."""
 
-    def __init__(self, cfg: RelibraConfig, num_experts: int, layout: RouterLayout, topk: int) -> None:
+    def __init__(self, cfg: RelibraConfig, model: ModelConfig, layout: RouterLayout) -> None:
+        num_experts = model.num_experts
         self.topo = Topology(
             num_gpus=layout.ep,
             gpus_per_node=cfg.gpus_per_node,
             num_experts=num_experts,
             num_replica_slots=cfg.replica_slots,
         )
-        self.ctx = PlanContext(
-            topo=self.topo, config=cfg, cost=CostModel.from_yaml(cfg.cost_model), topk=topk
+        # The cost model's hardware, at the trained model's expert shape (replica pushes, GEMM times, NIC weight).
+        cost = CostModel.from_yaml(cfg.cost_model).for_expert_shape(
+            model.hidden_size, model.moe_ffn_hidden_size
         )
+        self.ctx = PlanContext(topo=self.topo, config=cfg, cost=cost, topk=model.moe_topk)
         self.name, self.layout, self.num_experts = cfg.planner, layout, num_experts
         self.state = PlannerState()
         self._before = PlannerState()

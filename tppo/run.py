@@ -223,7 +223,7 @@ def _start_roles(cfg: ExperimentConfig, placement: Reservation) -> Roles:
     critic = start_trainers("critic", cfg, critic_parallel(cfg), c.critic_ranks, True, total, placement)
     planner = None
     if relibra_applies(cfg):
-        planner = LoadPlanner(cfg.relibra, cfg.model.num_experts, policy.router_layout(), cfg.model.moe_topk)
+        planner = LoadPlanner(cfg.relibra, cfg.model, policy.router_layout())
     reference = None
     if cfg.algo.kl_coef:
         ref = start_trainers("reference", cfg, cfg.parallel, c.policy_ranks, True, total, placement)
@@ -244,7 +244,7 @@ def _freeze_reference(cfg: ExperimentConfig, roles: Roles, fresh: bool) -> None:
     shards = [(str(folder / f"rank{r}.pt"),) for r in range(roles.policy.ranks.size)]
     if fresh:
         folder.mkdir(parents=True, exist_ok=True)
-        roles.policy.ranks.call("save", shards)
+        roles.policy.ranks.call("save", [(path, False) for (path,) in shards])
     elif not all(Path(s[0]).exists() for s in shards):
         raise FileNotFoundError(
             f"algo.kl_coef={cfg.algo.kl_coef} but the reference policy of this run is missing from {folder}"

@@ -71,10 +71,16 @@ class TrainerWorker:
         from tppo.engine.engine import MegatronEngine
 
         self.spec = spec
-        # The reference policy is a policy network that only ever runs forward.
+        # The reference policy is a policy network that only ever runs forward: no gradients, no optimizer.
         engine_role = "critic" if spec.role == "critic" else "policy"
         self.engine = MegatronEngine(
-            model, parallel, optim, role=engine_role, total_steps=total_steps, seed=seed
+            model,
+            parallel,
+            optim,
+            role=engine_role,
+            total_steps=total_steps,
+            seed=seed,
+            optimizer="none" if spec.role == "reference" else "auto",
         )
         self.executor = None
         if relibra is not None:
@@ -165,11 +171,15 @@ class TrainerWorker:
         self._awake()
         self.engine.export_hf(out_dir)
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, with_optimizer: bool = True) -> None:
+        """Write this rank's shard; without the optimizer state for a forward-only copy (the reference policy)."""
         self._awake()
         from tppo.checkpoint import save_file
 
-        save_file(self.engine.state_dict(), Path(path))
+        state = self.engine.state_dict()
+        if not with_optimizer:
+            state["optimizer"] = None
+        save_file(state, Path(path))
 
     def load(self, path: str) -> None:
         self._awake()

@@ -45,6 +45,25 @@ def test_gemm_formula():
     )
 
 
+def test_other_expert_shape_scales_gemm_time_and_transfers():
+    # Mixtral 8x7B's experts do 4096 x 14336 / (2048 x 768) = 37.33x the work and weight bytes of Qwen3-30B-A3B's.
+    mixtral = COST.for_expert_shape(4096, 14336)
+    r = 4096 * 14336 / (2048 * 768)
+    n = np.array([0, 1, 64, 1000])
+    want = COST.gemm_us_per_token * r * COST.gemm_tile * -(-n // COST.gemm_tile) + COST.gemm_us_fixed * r * (
+        n > 0
+    )
+    np.testing.assert_allclose(mixtral.gemm_us(n), want)
+    assert mixtral.expert_params == 3 * 4096 * 14336 and mixtral.pair_bytes == 4096 * COST.activation_bytes
+    assert (
+        mixtral.nic_gb_per_s == COST.nic_gb_per_s
+        and mixtral.attention_us_per_token == COST.attention_us_per_token
+    )
+    assert COST.for_expert_shape(COST.hidden_size, COST.expert_ffn_hidden_size) == COST
+    with pytest.raises(ValueError, match="expert shape must be positive"):
+        COST.for_expert_shape(0, 768)
+
+
 @pytest.fixture(scope="module")
 def setup():
     params = SyntheticLoads(

@@ -13,7 +13,7 @@ from relibra.config import RelibraConfig
 from tppo.balance import LoadPlanner, RouterLayout, loads_from_batches
 from tppo.batching import place, policy_batch, split_for_ranks
 from tppo.cluster import ray_session
-from tppo.config import ClusterConfig, ExperimentConfig, ParallelConfig
+from tppo.config import ClusterConfig, ExperimentConfig, ModelConfig, ParallelConfig
 from tppo.pool import Sample
 from tppo.roles import Trainer, start_trainers, supervised_objective
 
@@ -81,6 +81,7 @@ def test_policy_update_applies_the_plan_and_matches_the_static_update(tmp_path: 
     """The executor's measured pairs-per-rank skew equals the simulator's skew of the plan on the same loads, and
     the update under the plan gives the same model as the update under the static placement."""
     cfg = ExperimentConfig()
+    assert (cfg.model.num_experts, cfg.model.moe_topk) == (E, K)
     cfg.parallel = ParallelConfig(expert_parallel=2, micro_batch_size=2)
     cfg.relibra = RelibraConfig(gpus_per_node=2, replica_slots=1, min_replica_tokens=0)
     rng = np.random.default_rng(1)
@@ -88,7 +89,7 @@ def test_policy_update_applies_the_plan_and_matches_the_static_update(tmp_path: 
     with ray_session(ClusterConfig(object_store_mb=100, cpus_per_node=2)):
         group = start_trainers("policy", cfg, cfg.parallel, 2, True, total_steps=4)
         policy = Trainer(group, micro_batch_size=2, routing=True)
-        planner = LoadPlanner(cfg.relibra, E, policy.router_layout(), K)
+        planner = LoadPlanner(cfg.relibra, cfg.model, policy.router_layout())
         batches = policy.policy_batches(samples, [np.zeros(s.num_response_tokens) for s in samples])
         shards = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
         group.call("save", [(p,) for p in shards])
@@ -118,9 +119,8 @@ def test_planner_rolls_back_a_refused_plan():
     samples = [_sample(str(i), 12, rng, hot=True) for i in range(4)]
     planner = LoadPlanner(
         dataclasses.replace(RelibraConfig(), gpus_per_node=2, replica_slots=1, min_replica_tokens=0),
-        E,
+        ModelConfig(num_experts=E, moe_topk=K),
         RouterLayout(ep=2, aligned=True),
-        K,
     )
     before = planner.state
     planner.plan(_batches(samples, ranks=2, mbs=2))

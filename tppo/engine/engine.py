@@ -173,9 +173,11 @@ class MegatronEngine:
         self.role, self.total_steps = role, total_steps
         self.groups: ParallelGroups = init_parallel(parallel_cfg)
         self.cuda = self.groups.device.type == "cuda"
-        if optimizer not in ("auto", "megatron", "torch"):
-            raise ValueError(f"optimizer must be 'auto', 'megatron' or 'torch', got {optimizer!r}")
-        # Megatron's distributed optimizer on GPU, torch's AdamW on CPU; "torch" also works on GPU.
+        if optimizer not in ("auto", "megatron", "torch", "none"):
+            raise ValueError(f"optimizer must be 'auto', 'megatron', 'torch' or 'none', got {optimizer!r}")
+        # Megatron's distributed optimizer on GPU, torch's AdamW on CPU; "torch" also works on GPU. "none": a
+        # forward-only engine (a reference policy): no gradient buffers, no optimizer state.
+        self.trainable = optimizer != "none"
         self.megatron_optimizer = optimizer == "megatron" or (optimizer == "auto" and self.cuda)
         if self.megatron_optimizer and not self.cuda:
             raise ValueError("optimizer='megatron' needs CUDA (Megatron's optimizer allocates CUDA tensors)")
@@ -201,9 +203,14 @@ class MegatronEngine:
             experts=experts,
             dispatcher=dispatcher,
         )
-        self.ddp = self._wrap_ddp(self.built)
         self.module = self.built.model
         self.config = self.built.config
+        self.config.variable_seq_lengths = self.groups.pp_size > 1
+        if self.trainable:
+            self.ddp = self._wrap_ddp(self.built)
+        else:
+            self.ddp = None
+            self.module.requires_grad_(False)
         self.num_moe_layers = len(moe_layer_ids(model_cfg))
         self._armed = None
         self.module.decoder.register_forward_pre_hook(self._decoder_pre_hook, with_kwargs=True)
@@ -211,7 +218,7 @@ class MegatronEngine:
             from tppo.engine.convert import load_hf_checkpoint
 
             load_hf_checkpoint(self, model_cfg.hf_path)
-        self.optimizer = self._build_optimizer()
+        self.optimizer = self._build_optimizer() if self.trainable else None
         self.step_count = 0
         self._offloader = StorageOffloader()
 
@@ -231,7 +238,6 @@ class MegatronEngine:
         cfg.finalize_model_grads_func = finalize_model_grads
         cfg.no_sync_func = ddp.no_sync
         cfg.grad_scale_func = None
-        cfg.variable_seq_lengths = self.groups.pp_size > 1
         return ddp
 
     def _build_optimizer(self):
@@ -264,6 +270,11 @@ class MegatronEngine:
             betas=(o.beta1, o.beta2),
             eps=o.eps,
         )
+
+    @property
+    def _model_chunk(self) -> torch.nn.Module:
+        """What Megatron's schedules run: the DDP wrapper, or the bare model of a forward-only engine."""
+        return self.module if self.ddp is None else self.ddp
 
     def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -503,7 +514,7 @@ class MegatronEngine:
             return get_forward_backward_func()(
                 forward_step_func=partial(self._forward_step, loss_fn=loss_fn, with_entropy=with_entropy),
                 data_iterator=iter(mbs),
-                model=[self.ddp],
+                model=[self._model_chunk],
                 num_microbatches=len(mbs),
                 seq_length=seq,
                 micro_batch_size=mbs[0].input_ids_BS.shape[0],
@@ -530,7 +541,7 @@ class MegatronEngine:
         come back in ForwardOutput.routed_experts_BTLK ([B, T, L, K], all MoE layers). Every rank returns
         the outputs (broadcast from the last pipeline stage).
         """
-        self.ddp.eval()
+        self._model_chunk.eval()
         mbs = self._prepare_all(batches, record=record_routing, require_replay=require_replay)
         store = self._run(mbs, loss_fn=None, forward_only=True, with_entropy=with_entropy)
         outs = list(store) if self.groups.is_last_stage else [None] * len(mbs)
@@ -572,6 +583,8 @@ class MegatronEngine:
         Returns the step's loss  sum(loss_sum) / sum(denominator)  (over micro-batches and data-parallel
         ranks) and the loss callable's metrics averaged over this rank's micro-batches.
         """
+        if not self.trainable:
+            raise RuntimeError("this engine is forward-only (optimizer='none'): it cannot train")
         self.ddp.train()
         self.zero_grad()
         mbs = self._prepare_all(batches, record=False, require_replay=require_replay)
@@ -704,6 +717,8 @@ class MegatronEngine:
 
     def _torch_optimizers(self, optimizer=None) -> list[torch.optim.Optimizer]:
         optimizer = self.optimizer if optimizer is None else optimizer
+        if optimizer is None:
+            return []
         if not self.megatron_optimizer:
             return [optimizer]
         chained = getattr(optimizer, "chained_optimizers", [optimizer])
@@ -729,7 +744,7 @@ class MegatronEngine:
         return {
             "format": "tppo-megatron-engine-v1",
             "model": model,
-            "optimizer": self._optimizer_state(),
+            "optimizer": self._optimizer_state() if self.trainable else None,
             "step": self.step_count,
             "expert_placement": placement,
             "layout": (self.groups.tp_size, self.groups.pp_size, self.groups.ep_size, self.groups.dp_size),
@@ -758,7 +773,10 @@ class MegatronEngine:
             raise ValueError(
                 f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
-        self._load_optimizer_state(sd["optimizer"])
+        if self.trainable:
+            if sd["optimizer"] is None:
+                raise ValueError("checkpoint holds no optimizer state (saved for a forward-only engine)")
+            self._load_optimizer_state(sd["optimizer"])
         self.step_count = int(sd["step"])
 
     def _optimizer_state(self) -> dict:

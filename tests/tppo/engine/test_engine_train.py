@@ -229,6 +229,33 @@ def test_state_dict_round_trip_resumes_exactly(ckpt):
         b.load_state_dict({"model": {}})
 
 
+def test_forward_only_engine_holds_no_training_state_and_matches_the_policy(ckpt):
+    """The reference policy's engine: the policy's weights and log-probs, but no gradient buffer and no optimizer
+    state (a trainable engine keeps fp32 main grads and Adam moments: 16 bytes per parameter more)."""
+    policy = _engine(ckpt)
+    policy.train_step([_batch(14)], _nll)
+    frozen = MegatronEngine(
+        model_config_from_hf(ckpt), ParallelConfig(), OptimConfig(lr=1e-2), optimizer="none"
+    )
+    assert frozen.optimizer is None and frozen.ddp is None
+    assert not any(p.requires_grad or hasattr(p, "main_grad") for p in frozen.module.parameters())
+    shard = policy.state_dict()
+    frozen.load_state_dict({**shard, "optimizer": None})
+    assert frozen.step_count == policy.step_count
+    batches = [_batch(15), _batch(16, b=3, t=5)]
+    for got, want in zip(frozen.forward(batches), policy.forward(batches)):
+        assert torch.equal(got.logprobs_BT, want.logprobs_BT)
+    with pytest.raises(RuntimeError, match="forward-only"):
+        frozen.train_step(batches, _nll)
+    assert frozen.state_dict()["optimizer"] is None
+    frozen.offload()
+    assert all(p.untyped_storage().nbytes() == 0 for p in frozen.module.parameters())
+    frozen.onload()
+    assert torch.equal(frozen.forward(batches)[0].logprobs_BT, policy.forward(batches)[0].logprobs_BT)
+    with pytest.raises(ValueError, match="no optimizer state"):
+        _engine(ckpt).load_state_dict({**shard, "optimizer": None})
+
+
 @pytest.mark.parametrize(
     ("batch", "message"),
     [
