@@ -799,15 +799,19 @@ class MegatronEngine:
             return
         chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         named = dict(self._trainable())
-        for i, opt in enumerate(chained):
-            opt.load_state_dict(state["common"][i])
-            unshare_adam_steps(opt.optimizer)
-            use_fused_adam(opt.optimizer)  # a checkpoint saved before the switch brings host step counters
-            for (j, name), tensors in state["params"].items():
-                if j == i:
-                    opt._set_main_param_and_optimizer_states(named[name], tensors)
-        for opt in chained:
-            opt._copy_main_params_to_model_params()
+        # fp32 models: Megatron's main params are views of parameters that require grad; copy into them untracked.
+        with torch.no_grad():
+            for i, opt in enumerate(chained):
+                opt.load_state_dict(state["common"][i])
+                unshare_adam_steps(opt.optimizer)
+                use_fused_adam(
+                    opt.optimizer
+                )  # a checkpoint saved before the switch brings host step counters
+                for (j, name), tensors in state["params"].items():
+                    if j == i:
+                        opt._set_main_param_and_optimizer_states(named[name], tensors)
+            for opt in chained:
+                opt._copy_main_params_to_model_params()
 
     # ----------------------------------------------------------------- Hugging Face weights
     def export_hf(self, out_dir: str, **kwargs) -> None:

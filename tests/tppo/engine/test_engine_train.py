@@ -203,7 +203,9 @@ def test_offload_releases_and_onload_restores(ckpt):
     a.offload()
     assert a.offloaded
     assert all(p.untyped_storage().nbytes() == 0 for p in a.module.parameters())
-    state = next(iter(a.optimizer.state.values()))
+    state = next(
+        iter(a._torch_optimizers()[0].state.values())
+    )  # torch's AdamW, or inside Megatron's on a GPU
     assert state["exp_avg"].untyped_storage().nbytes() == 0
     a.onload()
     assert not a.offloaded
@@ -243,15 +245,17 @@ def test_forward_only_engine_holds_no_training_state_and_matches_the_policy(ckpt
     frozen.load_state_dict({**shard, "optimizer": None})
     assert frozen.step_count == policy.step_count
     batches = [_batch(15), _batch(16, b=3, t=5)]
+    # Bit-identical on CPU; on a GPU the policy's parameters live in DDP's buffer (other GEMM kernels may run).
     for got, want in zip(frozen.forward(batches), policy.forward(batches)):
-        assert torch.equal(got.logprobs_BT, want.logprobs_BT)
+        torch.testing.assert_close(got.logprobs_BT, want.logprobs_BT, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="forward-only"):
         frozen.train_step(batches, _nll)
     assert frozen.state_dict()["optimizer"] is None
     frozen.offload()
     assert all(p.untyped_storage().nbytes() == 0 for p in frozen.module.parameters())
     frozen.onload()
-    assert torch.equal(frozen.forward(batches)[0].logprobs_BT, policy.forward(batches)[0].logprobs_BT)
+    again = frozen.forward(batches)[0].logprobs_BT
+    torch.testing.assert_close(again, policy.forward(batches)[0].logprobs_BT, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="no optimizer state"):
         _engine(ckpt).load_state_dict({**shard, "optimizer": None})
 
