@@ -6,7 +6,7 @@ router softmax in fp32, top-k then optional renormalisation), so greedy tokens, 
 The experts run as two `torch._grouped_mm` calls over the routed (token, expert) pairs sorted by expert (a stable
 sort on int16 expert ids: a quarter of the radix passes of int64 keys, the same order); GPU decode batches with
 8-64 pairs per expert instead run dense `torch.bmm` over a fixed number of rows per expert plus grouped GEMMs over
-the pairs that do not fit (`_padded_experts`, `padded_capacity`). The weighted sum over the k experts of a token
+the pairs that do not fit (`padded_rows`, `_padded_ffn`, `padded_capacity`). The weighted sum over the k experts of a token
 is one batched matmul (deterministic, unlike an atomic index_add).
 Every function is free of host synchronisation (no `.item()`, no data-dependent shapes) in the decode path.
 
@@ -97,7 +97,7 @@ class MoeDecoder:
         self.query_starts_S1 = rows_S1 * (spec.num_heads // spec.num_kv_heads)
         self.key_starts_S1 = rows_S1 * cache.max_model_len
         self.flash_decode = False
-        # Decode batches use the padded expert path on a GPU (see _padded_experts); tests may set another rule.
+        # Decode batches use the padded expert path on a GPU (see _padded_ffn); tests may set another rule.
         cuda = device.type == "cuda"
         self.capacity_for = padded_capacity if cuda else no_padding
         glue = compiled_or_eager if cuda else (lambda fn: fn)
@@ -153,7 +153,9 @@ class MoeDecoder:
         num_tokens, k = ids_TK.shape
         capacity = self.capacity_for(num_tokens * k, self.spec.num_experts)
         if capacity is not None:
-            return self._padded_experts(layer, h_TH, weights_TK, ids_TK, residual_TH, capacity)
+            rows = self._padded_rows(h_TH, ids_TK, self.experts_E, capacity)
+            y_PH, y_OH = self._padded_ffn(layer, rows, capacity)
+            return self._padded_combine(residual_TH, weights_TK, y_PH, y_OH, rows.slot_R, rows.over_R)
         y_RH = self._sorted_experts(layer, h_TH, ids_TK)
         mix_T1K = weights_TK.to(y_RH.dtype).unsqueeze(1)
         out_T1H = torch.baddbmm(residual_TH.unsqueeze(1), mix_T1K, y_RH.view(num_tokens, k, -1))
@@ -174,26 +176,18 @@ class MoeDecoder:
         y_RH = self._ffn(layer, h_TH[order_R // k], ends_E)
         return torch.empty_like(y_RH).index_copy_(0, order_R, y_RH)
 
-    def _padded_experts(
-        self,
-        layer: LayerWeights,
-        h_TH: torch.Tensor,
-        weights_TK: torch.Tensor,
-        ids_TK: torch.Tensor,
-        residual_TH: torch.Tensor,
-        capacity: int,
-    ) -> torch.Tensor:
+    def _padded_ffn(
+        self, layer: LayerWeights, rows: PaddedRows, capacity: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts for small batches (decode): the first `capacity` pairs of every expert (token order) go
         through two dense bmm over [E, capacity] rows, which read each expert's weights at ~92% of the memory
         bandwidth where grouped GEMMs reach ~65% (bench/rollout_kernels.py); the pairs past an expert's capacity
-        go through grouped GEMMs over the overflow only (`padded_rows`). The glue between the GEMMs is compiled
+        go through grouped GEMMs over the overflow only (`padded_rows`). The glue around the GEMMs is compiled
         on a GPU (fused kernels instead of ~30 small ones per layer)."""
-        rows = self._padded_rows(h_TH, ids_TK, self.experts_E, capacity)
         e, c = self.spec.num_experts, capacity
         gate_up_ECF = torch.bmm(rows.x_PH.view(e, c, -1), layer.gate_up_EFH.transpose(1, 2))
         y_PH = torch.bmm(self._swiglu(gate_up_ECF), layer.down_EHF.transpose(1, 2)).view(e * c, -1)
-        y_OH = self._ffn(layer, rows.x_OH, rows.over_ends_E)
-        return self._padded_combine(residual_TH, weights_TK, y_PH, y_OH, rows.slot_R, rows.over_R)
+        return y_PH, self._ffn(layer, rows.x_OH, rows.over_ends_E)
 
     def _mlp(
         self, layer: LayerWeights, h_TH: torch.Tensor, residual_TH: torch.Tensor
@@ -507,7 +501,7 @@ def no_padding(num_pairs: int, num_experts: int) -> None:
 
 def padded_capacity(num_pairs: int, num_experts: int) -> int | None:
     """Rows per expert of the padded expert path: twice the mean pairs per expert rounded up to a power of two,
-    for means of 8-64 pairs (decode at batch ~64-512 for 128 experts top-8); None (grouped GEMMs only) outside,
+    for means of 8-64 pairs (decode at batch 128-1024 for 128 experts top-8); None (grouped GEMMs only) outside,
     where padding would waste compute (large batches) or the rows per expert are too few to pay off."""
     mean = num_pairs / num_experts
     if not 8 <= mean <= 64:

@@ -39,9 +39,8 @@ def _engine(hf, graphs: bool, capacity: int | None = None) -> RolloutEngine:
     config = RolloutConfig(max_model_len=256, max_batch_size=16, kv_cache_fraction=0.05, cuda_graphs=graphs)
     engine = RolloutEngine.from_config(cfg, device="cuda", dtype=torch.bfloat16, config=config)
     engine.load_weights(hf.state_dict().items())
-    if (
-        capacity is not None
-    ):  # the padded expert path with overflow at every batch size, not only large decode
+    if capacity is not None:
+        # the padded expert path with overflow at every batch size, not only in large decode batches
         engine.model.capacity_for = lambda num_pairs, num_experts: capacity
     return engine
 

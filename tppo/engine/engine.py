@@ -804,9 +804,8 @@ class MegatronEngine:
             for i, opt in enumerate(chained):
                 opt.load_state_dict(state["common"][i])
                 unshare_adam_steps(opt.optimizer)
-                use_fused_adam(
-                    opt.optimizer
-                )  # a checkpoint saved before the switch brings host step counters
+                # A checkpoint saved before the switch to fused Adam brings host step counters.
+                use_fused_adam(opt.optimizer)
                 for (j, name), tensors in state["params"].items():
                     if j == i:
                         opt._set_main_param_and_optimizer_states(named[name], tensors)

@@ -203,9 +203,8 @@ def test_offload_releases_and_onload_restores(ckpt):
     a.offload()
     assert a.offloaded
     assert all(p.untyped_storage().nbytes() == 0 for p in a.module.parameters())
-    state = next(
-        iter(a._torch_optimizers()[0].state.values())
-    )  # torch's AdamW, or inside Megatron's on a GPU
+    # torch's AdamW, or the one inside Megatron's optimizer on a GPU
+    state = next(iter(a._torch_optimizers()[0].state.values()))
     assert state["exp_avg"].untyped_storage().nbytes() == 0
     a.onload()
     assert not a.offloaded
