@@ -24,7 +24,11 @@ class RelibraConfig:
     anneal_cooling: float = spec(0.995, gt=0, le=1)
     smooth_beta: float = spec(20.0, gt=0, help="log-sum-exp sharpness of the smoothed max")
     history_decay: float = spec(0.9, ge=0, lt=1, help="moving average of eplb_history")
-    cost_model: str | None = None
+    cost_model: str | None = spec(
+        None,
+        help="cost-model YAML (None: the packaged Hopper defaults); in training its GEMM times and transfer "
+        "sizes are rescaled to the trained model's expert shape",
+    )
     microbatch_tokens: int = spec(256, ge=1, help="tokens per micro-batch when cutting token-order logs")
     # Knobs of the planners in relibra.planners (added with the planners; defaults are ours).
     seed: int = spec(0, ge=0, help="seeds the planners' random streams (plans are deterministic)")
