@@ -165,14 +165,15 @@ def bench_attention(c, batch, device, dtype, args) -> list[dict]:
             scale=d**-0.5,
         )
 
-    def flash():
+    def flash_call(q_xMD, q_starts, max_q):
+        """FlashAttention-2 varlen over the cache in place: query rows by q_starts, each row's keys by seqused_k."""
         return torch.ops.aten._flash_attention_forward(
-            q_BND,
+            q_xMD,
             k_SPMD.view(-1, m, d),
             v_SPMD.view(-1, m, d),
-            starts,
+            q_starts,
             starts * max_len,
-            1,
+            max_q,
             keys,
             0.0,
             False,
@@ -183,22 +184,12 @@ def bench_attention(c, batch, device, dtype, args) -> list[dict]:
 
     g = n // m
 
+    def flash():
+        return flash_call(q_BND, starts, 1)
+
     def flash_folded():  # the engine's form: the G q heads of a kv head as G query rows
         q_XMD = q_BND.view(batch, m, g, d).transpose(1, 2).reshape(-1, m, d)
-        out = torch.ops.aten._flash_attention_forward(
-            q_XMD,
-            k_SPMD.view(-1, m, d),
-            v_SPMD.view(-1, m, d),
-            starts * g,
-            starts * max_len,
-            g,
-            keys,
-            0.0,
-            False,
-            False,
-            scale=d**-0.5,
-            seqused_k=used,
-        )[0]
+        out = flash_call(q_XMD, starts * g, g)
         return out.view(batch, g, m, d).transpose(1, 2).reshape(batch, n * d)
 
     rows = []
