@@ -162,21 +162,20 @@ def run_variant(variant: str, s: Shape, args) -> dict:
     ]
     timer = _Timer(cuda)
     step_ms, fb_ms, opt_ms, losses = [], [], [], []
-    with _attention_context(cuda):
-        for i in range(args.warmup + steps):
-            if cuda and i == args.warmup:
-                torch.cuda.reset_peak_memory_stats()
-            a = timer.mark()
-            loss, _ = engine.forward_backward(batches, _nll)
-            b = timer.mark()
-            result = engine.optimizer_step()
-            c = timer.mark()
-            losses.append(loss)
-            if i >= args.warmup:
-                fb_ms.append(timer.ms(a, b))
-                opt_ms.append(timer.ms(b, c))
-                step_ms.append(timer.ms(a, c))
-            assert not result.skipped, "non-finite gradients in the benchmark"
+    for i in range(args.warmup + steps):
+        if cuda and i == args.warmup:
+            torch.cuda.reset_peak_memory_stats()
+        a = timer.mark()
+        loss, _ = engine.forward_backward(batches, _nll)
+        b = timer.mark()
+        result = engine.optimizer_step()
+        c = timer.mark()
+        losses.append(loss)
+        if i >= args.warmup:
+            fb_ms.append(timer.ms(a, b))
+            opt_ms.append(timer.ms(b, c))
+            step_ms.append(timer.ms(a, c))
+        assert not result.skipped, "non-finite gradients in the benchmark"
     tokens = micro * s.seq
     med = statistics.median(step_ms)
     tflops = flops_per_token(s) * tokens / (med / 1e3) / 1e12
@@ -204,15 +203,13 @@ def run_variant(variant: str, s: Shape, args) -> dict:
     try:
         fwd_only = []
         for _ in range(3):  # inference forward of one micro-batch (old log-probs): no grad, no recompute
-            with _attention_context(cuda):  # a fresh context each time: generator contexts enter once
-                a = timer.mark()
-                engine.forward(batches[:1])
-                fwd_only.append(timer.ms(a, timer.mark()))
+            a = timer.mark()
+            engine.forward(batches[:1])
+            fwd_only.append(timer.ms(a, timer.mark()))
         out["forward_only_ms"] = statistics.median(fwd_only)
         if cuda:
             from tppo.engine import experts as experts_mod
 
-            out["attention"] = flash_probe(s)
             out["grouped_mm_column_major"] = experts_mod._COLUMN_MAJOR_OK["cuda"]
     except Exception as exc:  # report it beside the numbers
         out["extras_error"] = f"{type(exc).__name__}: {exc}"[:500]
@@ -222,38 +219,6 @@ def run_variant(variant: str, s: Shape, args) -> dict:
         except Exception as exc:
             out["profile_error"] = f"{type(exc).__name__}: {exc}"[:500]
     return out
-
-
-def _attention_context(cuda: bool):
-    """A NEW context each call (sdpa_kernel is a one-shot generator context, so is this on CPU)."""
-    import contextlib
-
-    if not cuda:
-
-        @contextlib.contextmanager
-        def cpu():
-            yield
-
-        return cpu()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    # Flash first; the memory-efficient kernel only if flash cannot take the inputs (`flash_probe` says).
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
-
-
-def flash_probe(s: Shape) -> str:
-    """Does the flash kernel take attention inputs laid out as the model's ([S, B, H, D] permuted)?"""
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q = torch.randn(s.seq, 1, s.heads, s.head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    try:
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            x = q.permute(1, 2, 0, 3)
-            torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True).sum().backward()
-        return "flash"
-    except RuntimeError as exc:
-        return f"no flash: {exc}"[:300]
 
 
 def run_checks(args) -> dict:
@@ -467,9 +432,8 @@ def run_profile(s: Shape, args) -> dict:
         TrainBatch(input_ids_BT=torch.randint(0, s.vocab, (1, s.seq), generator=g))
         for _ in range(args.profile_microbatches)
     ]
-    with _attention_context(cuda):
-        for _ in range(2):
-            engine.train_step(batches, _nll)
+    for _ in range(2):
+        engine.train_step(batches, _nll)
     return {"variant": "profile", **profile_engine(engine, batches, args)}
 
 
@@ -486,36 +450,35 @@ def profile_engine(engine, batches, args) -> dict:
     cuda = torch.cuda.is_available()
     out: dict = {"profile_microbatches": len(batches)}
     fwd_bwd = lambda: engine.forward_backward(batches, _nll)  # noqa: E731
-    with _attention_context(cuda):
-        out["host_syncs_fwd_bwd"] = count_host_syncs(fwd_bwd)
-        out["host_syncs_optimizer"] = count_host_syncs(engine.optimizer_step)
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=acts) as prof:
-            with record_function("fwd_bwd"):
-                fwd_bwd()
-            with record_function("optimizer"):
-                engine.optimizer_step()
-            if cuda:
-                torch.cuda.synchronize()
-        os.makedirs(args.out_dir, exist_ok=True)
-        trace = os.path.join(args.out_dir, "trace.json")
-        prof.export_chrome_trace(trace)
-        out["trace"] = trace_summary(trace)
-        with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.remove(trace)
-        with open(os.path.join(args.out_dir, "ops.txt"), "w") as f:
-            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60))
-        ab = {}
-        for name, fast in (("permute_megatron", False), ("permute_sorted", True)):
-            _swap_dispatchers(engine, fast)
-            ab[f"fwd_bwd_ms_{name}"] = _cuda_ms(fwd_bwd, cuda, repeats=3, warmup=1)
-        ab["optimizer_step_ms_fused"] = _cuda_ms(engine.optimizer_step, cuda, repeats=3, warmup=1)
-        for inner in engine._torch_optimizers():
-            for group in inner.param_groups:
-                group["fused"], group["foreach"] = False, None
-        ab["optimizer_step_ms_foreach"] = _cuda_ms(engine.optimizer_step, cuda, repeats=3, warmup=1)
-        out["ab"] = ab
+    out["host_syncs_fwd_bwd"] = count_host_syncs(fwd_bwd)
+    out["host_syncs_optimizer"] = count_host_syncs(engine.optimizer_step)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        with record_function("fwd_bwd"):
+            fwd_bwd()
+        with record_function("optimizer"):
+            engine.optimizer_step()
+        if cuda:
+            torch.cuda.synchronize()
+    os.makedirs(args.out_dir, exist_ok=True)
+    trace = os.path.join(args.out_dir, "trace.json")
+    prof.export_chrome_trace(trace)
+    out["trace"] = trace_summary(trace)
+    with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(trace)
+    with open(os.path.join(args.out_dir, "ops.txt"), "w") as f:
+        f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60))
+    ab = {}
+    for name, fast in (("permute_megatron", False), ("permute_sorted", True)):
+        _swap_dispatchers(engine, fast)
+        ab[f"fwd_bwd_ms_{name}"] = _cuda_ms(fwd_bwd, cuda, repeats=3, warmup=1)
+    ab["optimizer_step_ms_fused"] = _cuda_ms(engine.optimizer_step, cuda, repeats=3, warmup=1)
+    for inner in engine._torch_optimizers():
+        for group in inner.param_groups:
+            group["fused"], group["foreach"] = False, None
+    ab["optimizer_step_ms_foreach"] = _cuda_ms(engine.optimizer_step, cuda, repeats=3, warmup=1)
+    out["ab"] = ab
     return out
 
 

@@ -458,12 +458,16 @@ class MegatronEngine:
         lo = loss_fn(out, mb.batch)
         if not isinstance(lo, LossOutput):
             raise TypeError(f"the loss callable must return a LossOutput, got {type(lo).__name__}")
+        # Loss and denominator stay on the device until the step's end (`_reduce_metrics` checks the
+        # denominators): reading them here would stall the GPU between every forward and its backward.
+        dev = self.groups.device
         den = lo.denominator
-        den_value = float(den.detach()) if isinstance(den, torch.Tensor) else float(den)
-        if den_value != int(den_value) or den_value < 0:
-            raise ValueError(f"LossOutput.denominator must be a non-negative whole number, got {den_value}")
-        num = torch.tensor(int(den_value), dtype=torch.int, device=self.groups.device)
-        metrics = {"loss_sum": float(lo.loss_sum.detach()), "denominator": den_value, **lo.metrics}
+        if isinstance(den, torch.Tensor):
+            den_t = den.detach().to(device=dev, dtype=torch.float64).reshape(())
+        else:
+            den_t = torch.full((), float(den), dtype=torch.float64, device=dev)
+        num = den_t.to(torch.int)
+        metrics = {"loss_sum": lo.loss_sum.detach().to(torch.float64), "denominator": den_t, **lo.metrics}
         # Every rank must run the same backward collectives (expert and sequence parallelism exchange tokens
         # in backward too). A loss that does not reach the model output, e.g. a micro-batch whose masks are all
         # zero, would skip them on one rank and hang the others: tie it to the output with a zero weight.
@@ -592,17 +596,27 @@ class MegatronEngine:
         return self._reduce_metrics(store if self.groups.is_last_stage else [])
 
     def _reduce_metrics(self, store: list[dict]) -> tuple[float, dict[str, float]]:
-        totals = torch.zeros(2, dtype=torch.float64, device=self.groups.device)
-        for m in store:
-            totals += torch.tensor(
-                [m["loss_sum"], m["denominator"]], dtype=torch.float64, device=totals.device
-            )
+        # [loss_sum, denominator, denominators that are not whole numbers >= 0], summed over every rank, so
+        # that a bad denominator on one rank stops all of them here rather than leaving peers waiting.
+        totals = torch.zeros(3, dtype=torch.float64, device=self.groups.device)
+        if store:
+            dens = torch.stack([m["denominator"] for m in store])
+            totals[0] = torch.stack([m["loss_sum"] for m in store]).sum()
+            totals[1] = dens.sum()
+            totals[2] = ((dens != dens.round()) | (dens < 0)).sum()
         dist.all_reduce(totals, group=self.groups.world)
+        if totals[2] > 0:
+            dens_host = [float(m["denominator"]) for m in store]
+            bad = [d for d in dens_host if d != int(d) or d < 0]
+            raise ValueError(
+                "LossOutput.denominator must be a non-negative whole number, got "
+                + (f"{bad[0]}" if bad else "a bad one on another rank")
+            )
         # Every TP peer of a last-stage rank computed the same numbers: count each replica once.
         totals /= self.groups.tp_size
         loss = float(totals[0] / totals[1]) if totals[1] > 0 else 0.0
         keys = sorted({k for m in store for k in m} - {"loss_sum", "denominator"})
-        metrics = {k: sum(m[k] for m in store if k in m) / len(store) for k in keys} if store else {}
+        metrics = {k: sum(float(m[k]) for m in store if k in m) / len(store) for k in keys} if store else {}
         return loss, metrics
 
     def train_step(

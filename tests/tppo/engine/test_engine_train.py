@@ -63,8 +63,10 @@ def test_optimizer_step_moves_weights_like_adamw_on_main_grad(ckpt):
     for n, t in ref.items():
         t.grad = grads[n]
     opt.step()
+    # Bit-exact on CPU (the same torch AdamW); on a GPU Megatron runs a fused Adam kernel: rounding only.
+    tol = dict(rtol=0, atol=0) if not torch.cuda.is_available() else dict(rtol=1e-5, atol=1e-7)
     for n in before:
-        torch.testing.assert_close(after[n], ref[n].detach(), rtol=0, atol=0)
+        torch.testing.assert_close(after[n], ref[n].detach(), **tol)
     assert not result.skipped and result.lr == 1e-2
     assert math.isclose(
         result.grad_norm, math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values())), rel_tol=1e-5
@@ -87,8 +89,9 @@ def test_gradient_clipping_scales_the_update(ckpt):
     # Adam is scale-invariant per coordinate except for eps: a clipped first step moves (almost) the same,
     # so check the clipped gradient went in through the second moment instead.
     scale = 0.05 / (r_c.grad_norm + 1e-6)
-    state_c = clipped.optimizer.state[next(iter(clipped.module.parameters()))]
-    state_p = plain.optimizer.state[next(iter(plain.module.parameters()))]
+    # The same first parameter in both (torch's AdamW on CPU, the one inside Megatron's optimizer on a GPU).
+    state_c = next(iter(clipped._torch_optimizers()[0].state.values()))
+    state_p = next(iter(plain._torch_optimizers()[0].state.values()))
     torch.testing.assert_close(state_c["exp_avg"], state_p["exp_avg"] * scale, rtol=1e-5, atol=1e-12)
 
 
@@ -185,7 +188,8 @@ def test_critic_values_train(ckpt):
 
     def mse(out, b):
         assert out.logprobs_BT is None and out.values_BT.shape == (2, 9)
-        return LossOutput(loss_sum=((out.values_BT - target)[:, 1:] ** 2).sum(), denominator=16)
+        err = out.values_BT - target.to(out.values_BT.device)
+        return LossOutput(loss_sum=(err[:, 1:] ** 2).sum(), denominator=16)
 
     values = critic.forward([batch])[0].values_BT
     assert values.shape == (2, 9) and torch.all(values[:, 0] == 0)
@@ -312,8 +316,9 @@ def test_packed_positions_are_accepted():
 
 def test_bad_construction_arguments(ckpt):
     m = model_config_from_hf(ckpt)
-    with pytest.raises(ValueError, match="bfloat16 needs CUDA"):
-        MegatronEngine(replace(m, dtype="bfloat16"), ParallelConfig(), OptimConfig())
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="bfloat16 needs CUDA"):
+            MegatronEngine(replace(m, dtype="bfloat16"), ParallelConfig(), OptimConfig())
     with pytest.raises(ValueError, match="role must be"):
         MegatronEngine(m, ParallelConfig(), OptimConfig(), role="reference")
     with pytest.raises(ValueError, match=r"expert_parallel=2 must divide the data x tensor ranks \(1\)"):
