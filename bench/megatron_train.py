@@ -473,6 +473,13 @@ def profile_engine(engine, batches, args) -> dict:
     for name, fast in (("permute_megatron", False), ("permute_sorted", True)):
         _swap_dispatchers(engine, fast)
         ab[f"fwd_bwd_ms_{name}"] = _cuda_ms(fwd_bwd, cuda, repeats=3, warmup=1)
+    experts = [m for m in engine.module.modules() if hasattr(m, "fuse_wgrad_accumulation")]
+    fused = [m.fuse_wgrad_accumulation for m in experts]
+    for m in experts:
+        m.fuse_wgrad_accumulation = False
+    ab["fwd_bwd_ms_wgrad_unfused"] = _cuda_ms(fwd_bwd, cuda, repeats=3, warmup=1)
+    for m, f in zip(experts, fused):
+        m.fuse_wgrad_accumulation = f
     ab["optimizer_step_ms_fused"] = _cuda_ms(engine.optimizer_step, cuda, repeats=3, warmup=1)
     for inner in engine._torch_optimizers():
         for group in inner.param_groups:
@@ -565,7 +572,44 @@ def run_parts(s: Shape, args) -> dict:
     w2 = (torch.randn(s.experts, s.hidden, s.expert_ffn, device=dev, dtype=dt) * 0.02).requires_grad_()
     ms = _cuda_ms(fwd_bwd(grouped_swiglu, xe, counts, pe, w1, w2), cuda)
     out["experts_fwd_bwd"] = {"ms": ms, "tflops": 6 * n * 3 * s.hidden * s.expert_ffn / ms / 1e9}
+    if cuda:
+        out["expert_wgrad_into_main_grad"] = _wgrad_parts(s, xe.detach(), counts)
     return out
+
+
+def _wgrad_parts(s: Shape, x_NH, counts_E) -> dict:
+    """W1's weight gradient added to an fp32 main grad: grouped GEMM to bf16 + add, vs the fused kernel
+    (tppo.engine.grouped_wgrad) at a few tile configurations."""
+    import torch
+
+    from tppo.engine import grouped_wgrad
+
+    o = 2 * s.expert_ffn
+    dy = torch.randn(x_NH.shape[0], o, device="cuda", dtype=torch.bfloat16)
+    offs = counts_E.cumsum(0).to(torch.int32)
+    main = torch.zeros(s.experts, o, s.hidden, device="cuda")
+    flops = 2 * x_NH.shape[0] * o * s.hidden
+
+    def unfused():
+        main.add_(torch._grouped_mm(dy.t(), x_NH, offs=offs))
+
+    res = {"unfused_ms": _cuda_ms(unfused, True)}
+    default = grouped_wgrad._CONFIG
+    for cfg in [
+        default,
+        (128, 128, 32, 8, 4),
+        (128, 64, 64, 4, 3),
+        (64, 128, 64, 4, 4),
+        (128, 256, 64, 8, 3),
+    ]:
+        grouped_wgrad._CONFIG = cfg
+        try:
+            ms = _cuda_ms(lambda: grouped_wgrad.grouped_wgrad_accumulate(dy, x_NH, offs, main), True)
+            res[str(cfg)] = {"ms": ms, "tflops": flops / ms / 1e9}
+        except Exception as exc:
+            res[str(cfg)] = {"error": str(exc)[:120]}
+    grouped_wgrad._CONFIG = default
+    return res
 
 
 def _child(args) -> None:
@@ -644,6 +688,7 @@ def _parts_lines(r: dict) -> list[str]:
         )
     lines.append(f"  rmsnorm {r.get('rmsnorm_fwd_bwd_ms')}")
     lines.append(f"  experts {r.get('experts_fwd_bwd')}")
+    lines.append(f"  expert wgrad into main grad {r.get('expert_wgrad_into_main_grad')}")
     return lines
 
 

@@ -37,7 +37,9 @@ import torch
 import torch.distributed as dist
 
 from tppo.config import ModelConfig, OptimConfig, ParallelConfig
+from tppo.engine import grouped_wgrad
 from tppo.engine.batch import ForwardOutput, LossOutput, StepResult, TrainBatch, replayed_ids, to_device
+from tppo.engine.experts import GroupedExperts
 from tppo.engine.logprobs import token_logprobs_entropy
 from tppo.engine.model import BuiltModel, build_model, moe_layer_ids
 from tppo.engine.offload import StorageOffloader
@@ -213,6 +215,7 @@ class MegatronEngine:
             self.module.requires_grad_(False)
         self.num_moe_layers = len(moe_layer_ids(model_cfg))
         self._armed = None
+        self._grad_divisor: torch.Tensor | None = None
         self.module.decoder.register_forward_pre_hook(self._decoder_pre_hook, with_kwargs=True)
         if load_weights and model_cfg.hf_path:
             from tppo.engine.convert import load_hf_checkpoint
@@ -225,7 +228,6 @@ class MegatronEngine:
     # ----------------------------------------------------------------- construction
     def _wrap_ddp(self, built: BuiltModel):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -234,11 +236,33 @@ class MegatronEngine:
             check_for_nan_in_grad=False,
         )
         ddp = DistributedDataParallel(built.config, ddp_config, built.model)
+        if self.cuda and grouped_wgrad.available():
+            # Expert weight gradients go straight into the fp32 main grads. Safe because gradients are
+            # reduced once after the last micro-batch (overlap_grad_reduce=False), not by per-parameter hooks.
+            for module in built.model.modules():
+                if isinstance(module, GroupedExperts):
+                    module.fuse_wgrad_accumulation = True
         cfg = built.config
-        cfg.finalize_model_grads_func = finalize_model_grads
+        cfg.finalize_model_grads_func = self._finalize_grads
         cfg.no_sync_func = ddp.no_sync
         cfg.grad_scale_func = None
         return ddp
+
+    def _finalize_grads(self, model, num_tokens=None, **kwargs) -> None:
+        """Megatron's gradient reduction without its pass that divides every gradient by the step's token
+        count: the divisor is kept (`_grad_divisor`) and applied with clipping inside the optimizer step."""
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        finalize_model_grads(model, None, **kwargs)
+        self._grad_divisor = None
+        if num_tokens is None:
+            return
+        if self.groups.pp_size > 1:  # the count exists on the last stage only
+            last = dist.get_global_rank(self.groups.pp, self.groups.pp_size - 1)
+            dist.broadcast(num_tokens, src=last, group=self.groups.pp)
+        dist.all_reduce(num_tokens, group=self.groups.dp)
+        # As Megatron: a step without tokens leaves the gradients as they are.
+        self._grad_divisor = torch.where(num_tokens > 0, num_tokens, 1).to(torch.float32)
 
     def _build_optimizer(self):
         o = self.optim_cfg
@@ -261,15 +285,28 @@ class MegatronEngine:
             optimizer = get_megatron_optimizer(ocfg, [self.ddp], use_gloo_process_groups=False)
             for inner in self._torch_optimizers(optimizer):
                 use_fused_adam(inner)
+            self._set_hyperparams(optimizer, o.lr)
             return optimizer
+        # `wd_mult` as in Megatron's parameter groups: no weight decay on biases and 1-D tensors (norms).
         decay = [p for _, p in self._trainable() if p.dim() > 1]
         no_decay = [p for _, p in self._trainable() if p.dim() <= 1]
-        return torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
             lr=o.lr,
             betas=(o.beta1, o.beta2),
             eps=o.eps,
         )
+        self._set_hyperparams(optimizer, o.lr)
+        return optimizer
+
+    def _set_hyperparams(self, optimizer, lr: float) -> None:
+        # Megatron's training loop applies each group's wd_mult through its LR scheduler, which this engine
+        # does not use: without this, norms and biases would decay on the GPU (Megatron's groups).
+        for group in optimizer.param_groups:
+            # Groups restored from a checkpoint written before wd_mult was kept: 1-D tensors do not decay.
+            default = 0.0 if all(p.dim() <= 1 for p in group["params"]) else 1.0
+            group["lr"] = lr
+            group["weight_decay"] = self.optim_cfg.weight_decay * group.get("wd_mult", default)
 
     @property
     def _model_chunk(self) -> torch.nn.Module:
@@ -631,10 +668,16 @@ class MegatronEngine:
     def zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self._grad_divisor = None
 
     def named_grads(self) -> dict[str, torch.Tensor]:
-        """This rank's reduced gradients (main_grad) by parameter name, after forward_backward."""
-        return {n: p.main_grad for n, p in self._trainable()}
+        """This rank's reduced gradients of the step's loss by parameter name, after forward_backward."""
+        inv = self._inverse_divisor()
+        return {n: p.main_grad if inv is None else p.main_grad * inv for n, p in self._trainable()}
+
+    def _inverse_divisor(self) -> torch.Tensor | None:
+        """1 / the step's token count: main_grad holds the gradient of sum(loss_sum), not yet divided."""
+        return None if self._grad_divisor is None else 1.0 / self._grad_divisor
 
     # ----------------------------------------------------------------- optimizer
     def _grad_sq_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -667,16 +710,21 @@ class MegatronEngine:
         """Clip, set this step's LR, update. Non-finite gradients skip the update (result.skipped)."""
         lr = lr_at(self.step_count, self.optim_cfg, self.total_steps)
         dense_sq, expert_sq = self._grad_sq_norms()
-        grad_norm = float((dense_sq + expert_sq).sqrt())
-        if not self._all_finite(dense_sq + expert_sq):
+        sq = dense_sq + expert_sq
+        inv = self._inverse_divisor()
+        if inv is not None:
+            sq = sq * inv * inv
+        grad_norm = float(sq.sqrt())
+        if not self._all_finite(sq):
             self.zero_grad()
             return StepResult(loss=float("nan"), grad_norm=grad_norm, lr=lr, skipped=True, num_microbatches=0)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self._set_hyperparams(self.optimizer, lr)
+        # One factor for the token-count division and the clipping, applied where the gradients are read.
+        factor = self._clip_scale(grad_norm) * (inv if inv is not None else torch.ones((), device=sq.device))
         if self.megatron_optimizer:
-            self._megatron_step(grad_norm)
+            self._megatron_step(factor)
         else:
-            self._cpu_step(grad_norm)
+            self._cpu_step(factor)
         self.step_count += 1
         return StepResult(loss=float("nan"), grad_norm=grad_norm, lr=lr, skipped=False, num_microbatches=0)
 
@@ -684,20 +732,23 @@ class MegatronEngine:
         clip = self.optim_cfg.grad_clip
         return clip / (grad_norm + 1e-6) if clip > 0 and grad_norm > clip else 1.0
 
-    def _megatron_step(self, grad_norm: float) -> None:
+    def _megatron_step(self, factor: torch.Tensor) -> None:
         # Megatron's own step would compute the norm again (without apex: one host sync per tensor) and clip
-        # with two passes per tensor; the norm is known here, so clip in one multi-tensor pass and step.
-        scale = self._clip_scale(grad_norm)
-        if scale != 1.0:
-            torch._foreach_mul_([g for g in self._grad_tensors()], scale)
+        # with two passes per tensor. The fused Adam kernel multiplies each gradient by 1 / grad_scale as it
+        # reads it (the hook torch's AMP uses), so the factor costs no pass of its own.
+        inner = self._torch_optimizers()
+        fused = all(group.get("fused") for o in inner for group in o.param_groups)
+        for o in inner:
+            o.grad_scale = (1.0 / factor).float() if fused else None
+        if not fused:
+            torch._foreach_mul_(self._grad_tensors(), factor)
         self.optimizer.prepare_grads()
         self.optimizer.step_with_ready_grads()
 
-    def _cpu_step(self, grad_norm: float) -> None:
-        scale = self._clip_scale(grad_norm)
+    def _cpu_step(self, factor: torch.Tensor) -> None:
         for _, p in self._trainable():
             # Megatron's DDP left the reduced gradient in main_grad; torch's optimizer reads .grad.
-            p.grad = p.main_grad if scale == 1.0 else p.main_grad * scale
+            p.grad = p.main_grad * factor
         self.optimizer.step()
         for _, p in self._trainable():
             p.grad = None

@@ -22,11 +22,14 @@ Megatron's SequentialMLP (one MLP per expert in a loop) is kept only as the refe
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from tppo.engine.grouped_wgrad import grouped_linear_fused_wgrad
 
 __all__ = ["GroupedExperts", "grouped_swiglu"]
 
@@ -67,8 +70,14 @@ def grouped_swiglu(
     probs_N: torch.Tensor,
     w1_E2FH: torch.Tensor,
     w2_EHF: torch.Tensor,
+    *,
+    fuse_wgrad: bool = False,
 ) -> torch.Tensor:
-    """SwiGLU experts over expert-sorted tokens: y = (silu(x W_gate^T) * (x W_up^T) * p) W_down^T per expert."""
+    """SwiGLU experts over expert-sorted tokens: y = (silu(x W_gate^T) * (x W_up^T) * p) W_down^T per expert.
+
+    With `fuse_wgrad` the weights' gradients are added to their `main_grad` inside the weight-gradient GEMM
+    (tppo.engine.grouped_wgrad) and never returned; it applies on the grouped-GEMM path only.
+    """
     if x_NH.shape[0] == 0:
         # No token reached these experts (grouped_mm's backward rejects empty inputs): keep every input in
         # the graph, the routing probabilities too, so that their gradients are zeros rather than missing. A
@@ -79,14 +88,18 @@ def grouped_swiglu(
     grouped = _grouped_mm_supported(x_NH, x_NH.shape[1], w1_E2FH.shape[1], w2_EHF.shape[2])
     if grouped:
         offs_E = torch.cumsum(tokens_per_expert_E.to(device=x_NH.device), 0).to(torch.int32)
-        h_N2F = _grouped_linear(x_NH, w1_E2FH, offs_E)
+        if fuse_wgrad:
+            linear = partial(grouped_linear_fused_wgrad, linear=_grouped_linear)
+        else:
+            linear = _grouped_linear
+        h_N2F = linear(x_NH, w1_E2FH, offs_E)
     else:
         counts = tokens_per_expert_E.tolist()
         h_N2F = _looped_linear(x_NH, w1_E2FH, counts)
     gate_NF, up_NF = h_N2F.chunk(2, dim=-1)
     a_NF = (F.silu(gate_NF) * up_NF * probs_N.unsqueeze(-1)).to(x_NH.dtype)
     if grouped:
-        return _grouped_linear(a_NF, w2_EHF, offs_E)
+        return linear(a_NF, w2_EHF, offs_E)
     return _looped_linear(a_NF, w2_EHF, counts)
 
 
@@ -116,6 +129,9 @@ class GroupedExperts(MegatronModule):
             ep_rank * num_local_experts + i for i in range(num_local_experts)
         ]
         self.weight_provider: Callable[[GroupedExperts], tuple[torch.Tensor, torch.Tensor]] | None = None
+        # Set by the engine where gradients are reduced after the last micro-batch (not by per-parameter
+        # hooks) and the kernel can run: see tppo.engine.grouped_wgrad.
+        self.fuse_wgrad_accumulation = False
         self.last_tokens_per_expert: torch.Tensor | None = None
         if config.perform_initialization:
             self.reset_parameters()
@@ -145,7 +161,13 @@ class GroupedExperts(MegatronModule):
                 f"this module computes {w1.shape[0]} slots"
             )
         self.last_tokens_per_expert = tokens_per_expert_E.detach()  # no copy: a device sync per layer
-        return grouped_swiglu(permuted_hidden_NH, tokens_per_expert_E, permuted_probs_N, w1, w2), None
+        # Weights from a provider (home + replica slots) are not the parameters: their gradient flows back
+        # through the provider, so only the parameters themselves take the fused path.
+        fuse = self.fuse_wgrad_accumulation and w1 is self.weight1 and w2 is self.weight2
+        y_NH = grouped_swiglu(
+            permuted_hidden_NH, tokens_per_expert_E, permuted_probs_N, w1, w2, fuse_wgrad=fuse
+        )
+        return y_NH, None
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in the ordinary backward pass (no delayed wgrad)."""

@@ -190,10 +190,10 @@ def hf_gradients(engine) -> dict:
     """
     from tppo.engine.convert import iter_hf_tensors
 
-    saved = {}
+    saved, grads = {}, engine.named_grads()
     for name, p in engine.module.named_parameters():
         saved[name] = p.data
-        p.data = p.main_grad.to(p.dtype)
+        p.data = grads[name].to(p.dtype)
     try:
         return {n: t.clone() for n, t in iter_hf_tensors(engine.built, engine.groups)}
     finally:
