@@ -30,6 +30,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from tppo.engine.grouped_wgrad import grouped_linear_fused_wgrad
+from tppo.engine.swiglu import swiglu_probs
 
 __all__ = ["GroupedExperts", "grouped_swiglu"]
 
@@ -96,8 +97,7 @@ def grouped_swiglu(
     else:
         counts = tokens_per_expert_E.tolist()
         h_N2F = _looped_linear(x_NH, w1_E2FH, counts)
-    gate_NF, up_NF = h_N2F.chunk(2, dim=-1)
-    a_NF = (F.silu(gate_NF) * up_NF * probs_N.unsqueeze(-1)).to(x_NH.dtype)
+    a_NF = swiglu_probs(h_N2F, probs_N)
     if grouped:
         return linear(a_NF, w2_EHF, offs_E)
     return _looped_linear(a_NF, w2_EHF, counts)

@@ -29,8 +29,9 @@ except ImportError:  # pragma: no cover - depends on the torch build
 
 __all__ = ["available", "grouped_linear_fused_wgrad", "grouped_wgrad_accumulate"]
 
-# (BLOCK_O, BLOCK_K, BLOCK_N, warps, stages): measured with bench/megatron_train.py --variants parts.
-_CONFIG = (128, 128, 64, 8, 3)
+# (BLOCK_O, BLOCK_K, BLOCK_N, warps, stages): the fastest of ten on an H200 at Qwen3-30B-A3B-like expert
+# shapes (bench/megatron_train.py --variants parts times a few of them).
+_CONFIG = (64, 128, 64, 4, 4)
 
 
 def available() -> bool:
@@ -64,6 +65,10 @@ if triton is not None:
         end = tl.load(offs_ptr + e)
         # An expert without tokens adds nothing: leave its main grad untouched (no read, no write).
         if end > start:
+            w_tile = w_ptr + e * stride_we + ro[:, None] * stride_wo + rk[None, :]
+            inside = (ro[:, None] < size_o) & (rk[None, :] < size_k)
+            # Issued before the GEMM loop so that the read overlaps it.
+            prev = tl.load(w_tile, mask=inside, other=0.0)
             rn = tl.arange(0, BLOCK_N)
             acc = tl.zeros((BLOCK_O, BLOCK_K), dtype=tl.float32)
             for n0 in range(start, end, BLOCK_N):
@@ -80,10 +85,7 @@ if triton is not None:
                     other=0.0,
                 )
                 acc = tl.dot(tl.trans(g), x, acc)
-            w_tile = w_ptr + e * stride_we + ro[:, None] * stride_wo + rk[None, :]
-            inside = (ro[:, None] < size_o) & (rk[None, :] < size_k)
-            acc += tl.load(w_tile, mask=inside, other=0.0)
-            tl.store(w_tile, acc, mask=inside)
+            tl.store(w_tile, acc + prev, mask=inside)
 
 
 def grouped_wgrad_accumulate(
