@@ -744,6 +744,8 @@ class MegatronEngine:
             torch._foreach_mul_(self._grad_tensors(), factor)
         self.optimizer.prepare_grads()
         self.optimizer.step_with_ready_grads()
+        for o in inner:
+            o.grad_scale = None
 
     def _cpu_step(self, factor: torch.Tensor) -> None:
         for _, p in self._trainable():

@@ -8,6 +8,10 @@ local expert's SwiGLU MLP in two grouped GEMMs:
     a_NF  = silu(h_gate) * h_up * p_N  (the gate probability scales the intermediate, as Megatron's MLP)
     y_NH  = a_NF @ W2[e(n)]^T          (W2 shape [E, H, F])
 
+On a GPU the middle line is one Triton kernel each way (tppo.engine.swiglu), and with
+`fuse_wgrad_accumulation` (set by the engine) the weight gradients are added to Megatron's fp32 main grads
+inside their GEMM (tppo.engine.grouped_wgrad) instead of being returned in bf16.
+
 Legend: N dispatched tokens (sorted by local expert), H hidden size, F expert FFN size, E local experts
 (slots), P physical slots seen by the dispatcher.
 

@@ -13,11 +13,12 @@ The layer spec uses only Megatron-Core modules plus four of ours: `SDPAttention`
 torch's scaled_dot_product_attention: cuDNN's fused kernel with native GQA on GPU, then flash; any kernel
 on CPU; packed sequences run one segment at a time), `RMSNorm` (torch's rms_norm: fp32 statistics like
 the Hugging Face models, one fused op, usable with sequence parallelism), `ReplayRouter` (routing replay,
-tppo.engine.replay) and `GroupedExperts` (grouped GEMM, tppo.engine.experts). `RoutedMoELayer` is Megatron's MoELayer with one seam
-for ReLibra's executor, a `route_hook` called between the router and the token dispatcher, and with the
-all-to-all dispatcher replaced by `tppo.engine.dispatch.SortedAlltoAllDispatcher` (the same routing without
-host syncs or atomic adds). On GPUs, RoPE runs as one Triton kernel each way (tppo.engine.rope, through
-Megatron's `apply_rope_fusion` slot).
+tppo.engine.replay) and `GroupedExperts` (grouped GEMM, tppo.engine.experts). `RoutedMoELayer` is
+Megatron's MoELayer with one seam for ReLibra's executor, a `route_hook` called between the router and the
+token dispatcher, and with the all-to-all dispatcher replaced by
+`tppo.engine.dispatch.SortedAlltoAllDispatcher` (the same routing without host syncs or atomic adds). On
+GPUs, RoPE runs as one Triton kernel each way (tppo.engine.rope, through Megatron's `apply_rope_fusion`
+slot).
 
 The critic uses the same trunk with `ValueHead` (one scalar per token) in place of the vocabulary
 projection.
