@@ -21,21 +21,13 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the torch build
-    triton = None
+from tppo.engine.triton_kernels import available, tl, triton
 
 __all__ = ["available", "grouped_linear_fused_wgrad", "grouped_wgrad_accumulate"]
 
 # (BLOCK_O, BLOCK_K, BLOCK_N, warps, stages): the fastest of ten on an H200 at Qwen3-30B-A3B-like expert
 # shapes (bench/megatron_train.py --variants parts times a few of them).
 _CONFIG = (64, 128, 64, 4, 4)
-
-
-def available() -> bool:
-    return triton is not None and torch.cuda.is_available()
 
 
 if triton is not None:

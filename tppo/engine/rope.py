@@ -25,18 +25,9 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton comes with CUDA builds of torch; CPU runs keep Megatron's unfused RoPE.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the torch build
-    triton = None
+from tppo.engine.triton_kernels import available, tl, triton
 
 __all__ = ["available", "fused_rope_bshd", "fused_rope_thd", "install", "packed_positions"]
-
-
-def available() -> bool:
-    """True where the fused kernels can run: Triton importable and a CUDA device present."""
-    return triton is not None and torch.cuda.is_available()
 
 
 if triton is not None:

@@ -19,19 +19,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the torch build
-    triton = None
+from tppo.engine.triton_kernels import available, tl, triton
 
 __all__ = ["available", "swiglu_probs", "swiglu_probs_eager"]
 
 _BLOCK_F = 1024
-
-
-def available() -> bool:
-    return triton is not None and torch.cuda.is_available()
 
 
 def swiglu_probs_eager(h_N2F: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:
