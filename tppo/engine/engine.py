@@ -303,10 +303,11 @@ class MegatronEngine:
         # Megatron's training loop applies each group's wd_mult through its LR scheduler, which this engine
         # does not use: without this, norms and biases would decay on the GPU (Megatron's groups).
         for group in optimizer.param_groups:
-            # Groups restored from a checkpoint written before wd_mult was kept: 1-D tensors do not decay.
-            default = 0.0 if all(p.dim() <= 1 for p in group["params"]) else 1.0
+            if "wd_mult" not in group:
+                # Restored from a checkpoint written before wd_mult was kept: 1-D tensors do not decay.
+                group["wd_mult"] = 0.0 if all(p.dim() <= 1 for p in group["params"]) else 1.0
             group["lr"] = lr
-            group["weight_decay"] = self.optim_cfg.weight_decay * group.get("wd_mult", default)
+            group["weight_decay"] = self.optim_cfg.weight_decay * group["wd_mult"]
 
     @property
     def _model_chunk(self) -> torch.nn.Module:
