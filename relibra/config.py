@@ -37,6 +37,14 @@ class RelibraConfig:
     reorder_gpu_weight: float = spec(0.25, ge=0, help="alpha': smoothed max GPU load")
     reorder_comm_weight: float = spec(1.0, ge=0, help="beta: smoothed max cross-node dispatch time")
     reorder_migration_weight: float = spec(1.0, ge=0, help="gamma: time to migrate moved experts' state")
+    refine_rounds: int = spec(
+        64, ge=0, help="rounds of the exact swap descent on the placement floor after annealing (0: off)"
+    )
+    refine_top_k: int = spec(
+        2,
+        ge=0,
+        help="screened experts per node and node pair in each descent round (more: a better placement, slower)",
+    )
     planner_threads: int = spec(
         2, ge=1, help="threads that plan chunks of layers in parallel (numpy kernels)"
     )

@@ -22,7 +22,8 @@ replication or migration. "MoE time" below is everything except non-MoE.
 
 The ideal is a reference, not a bound: a placement that keeps traffic inside nodes can beat its all-to-all.
 `moe_lower_bound_us` is a true lower bound of the MoE time of every plan whose copies stay in their owner's node
-and are rewritten per (m, l) (ReLibra's family, static and reorder-only included).
+and are rewritten per (m, l) (ReLibra's family, static and reorder-only included); `placement_floor_us` is one for
+the plans of that family with a given placement: what the best replicas could reach on it.
 
 Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots per GPU, Z nodes, P pairs.
 """
@@ -38,7 +39,14 @@ import numpy as np
 
 from relibra.plan import Plan, Topology
 
-__all__ = ["CostModel", "StepCost", "ideal_step_cost", "moe_lower_bound_us", "step_cost"]
+__all__ = [
+    "CostModel",
+    "StepCost",
+    "ideal_step_cost",
+    "moe_lower_bound_us",
+    "placement_floor_us",
+    "step_cost",
+]
 
 NUM_ALLTOALLS = 4  # dispatch + combine, forward + backward
 
@@ -355,3 +363,35 @@ def moe_lower_bound_us(loads_MLSE: np.ndarray, topk: int, topo: Topology, cost: 
     whole = comp_whole + NUM_ALLTOALLS * (nic_whole + lat_ML)
     split = comp_split + NUM_ALLTOALLS * (nic_split + lat_ML) + rep_M1
     return float(np.minimum(whole, split).sum())
+
+
+def placement_floor_us(loads_MLSE: np.ndarray, home_LE: np.ndarray, topo: Topology, cost: CostModel) -> float:
+    """A lower bound of `step_cost(plan, ...).moe_us - migration_us` for every plan with placement `home_LE` whose
+    copies stay in their owner's node (rewritten per (m, l)): the floor that replication cannot go below, so that
+    MoE time / ideal splits into what the placement costs and what the replicas leave on top.
+
+    Per (m, l), with NL_z the pairs of experts homed on node z, Recv_z those of them from other nodes' sources,
+    Send_s the pairs of source rank s to experts homed on other nodes, c = a (1 + f_bwd), lat the all-to-all latency
+    if the micro-batch routes anything:
+
+      c max_z NL_z / Q + 4 (max(max_z Recv_z / Q, max_s Send_s) bytes / B_nic + lat).
+
+    Why it holds: t(n) >= c n / (1 + f_bwd) (the tile only rounds up); node z's pairs are computed on its Q GPUs, so
+    one of them computes at least NL_z / Q; they also receive Recv_z over their NICs, one at least Recv_z / Q; a
+    pair of source s to another node's expert is served in that node and leaves through s's own NIC; replica
+    transfers only add time.
+    """
+    M, L, _S, E = loads_MLSE.shape
+    Z, Q = topo.num_nodes, topo.node_size
+    node_LE = np.asarray(home_LE) // Q
+    in_node_LZE = node_LE[:, None, :] == np.arange(Z)[None, :, None]
+    W_MLE = loads_MLSE.sum(axis=2, dtype=np.int64)
+    A_MLZE = loads_MLSE.reshape(M, L, Z, Q, E).sum(axis=3, dtype=np.int64)
+    NL_MLZ = np.einsum("mle,lze->mlz", W_MLE, in_node_LZE)
+    recv_MLZ = NL_MLZ - np.einsum("mlze,lze->mlz", A_MLZE, in_node_LZE)
+    away_LSE = node_LE[:, None, :] != topo.node_of_gpu()[None, :, None]
+    send_MLS = np.einsum("mlse,lse->mls", loads_MLSE, away_LSE)
+    compute = cost.gemm_us_per_token * (1.0 + cost.backward_factor) * NL_MLZ.max(axis=-1) / Q
+    nic_pairs = np.maximum(recv_MLZ.max(axis=-1) / Q, send_MLS.max(axis=-1))
+    lat = cost.alltoall_latency_us * (W_MLE.sum(axis=-1) > 0)
+    return float((compute + NUM_ALLTOALLS * (cost.nic_us(nic_pairs * cost.pair_bytes) + lat)).sum())

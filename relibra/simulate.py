@@ -5,7 +5,10 @@
 
 For each plan it prints one row: simulated MoE time relative to the ideal plan, mean and max skew (max/mean pairs
 per GPU over all (step, micro-batch, layer)), cross-node bytes per step, migration bytes per step, planner wall
-time per step, and the MoE time broken into compute / all-to-all / replication / migration. The same goes to
+time per step, the MoE time broken into compute / all-to-all / replication / migration, and the floor of the plan's
+placements relative to ideal (`relibra.cost_model.placement_floor_us`: what no in-node replicas on those placements
+can beat, migration excluded; so MoE/ideal splits into what the placement costs and what the replicas leave on
+top; empty for EPLB-style plans, whose copies persist and may cross nodes). The same goes to
 `--json`. Every plan is checked by `relibra.validate` (unless --no-validate); the planner's wall time excludes that
 check and the cost evaluation. `--dump-plans DIR` writes DIR/<plan>.npz with `home` int [N, L, E] and `served`
 int [N, M, L, G, E] (pairs of expert e computed on GPU g) so a plan can be checked without the simulator; the
@@ -32,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from relibra.config import RelibraConfig
-from relibra.cost_model import CostModel, StepCost, ideal_step_cost, step_cost
+from relibra.cost_model import CostModel, StepCost, ideal_step_cost, placement_floor_us, step_cost
 from relibra.loads import LoadTrace, load_loads
 from relibra.plan import IdealPlan, PlannerState, Topology, static_home_LE
 from relibra.planners import PLANNERS, PlanContext, run_planner
@@ -60,6 +63,7 @@ class PlanSummary:
 
     plan: str
     moe_vs_ideal: float
+    floor_vs_ideal: float
     moe_us: float
     step_us: float
     compute_us: float
@@ -85,13 +89,17 @@ def fold_sources(loads_NMLSE: np.ndarray, ep: int) -> np.ndarray:
     return loads_NMLSE.reshape(N, M, L, S // ep, ep, E).sum(axis=3)
 
 
-def _summary(name: str, costs: list[StepCost], ideal_moe_us: float, times: list[float]) -> PlanSummary:
+def _summary(
+    name: str, costs: list[StepCost], floors: list[float], ideal_moe_us: float, times: list[float]
+) -> PlanSummary:
     n = len(costs)
     skew = np.concatenate([c.skew_ML.reshape(-1) for c in costs])
     moe = sum(c.moe_us for c in costs)
+    vs_ideal = (lambda x: x / ideal_moe_us) if ideal_moe_us > 0 else (lambda x: float("nan"))
     return PlanSummary(
         plan=name,
-        moe_vs_ideal=moe / ideal_moe_us if ideal_moe_us > 0 else float("nan"),
+        moe_vs_ideal=vs_ideal(moe),
+        floor_vs_ideal=vs_ideal(sum(floors)) if floors else float("nan"),
         moe_us=moe,
         step_us=sum(c.step_us for c in costs),
         compute_us=sum(c.compute_us for c in costs),
@@ -126,7 +134,7 @@ def simulate_trace(
     out = []
     for name in plans:
         state, prev = PlannerState(), static_home_LE(trace.num_layers, topo)
-        costs, times, homes, served = [], [], [], []
+        costs, floors, times, homes, served = [], [], [], [], []
         for n in range(trace.num_steps):
             loads = loads_all[n]
             start = time.perf_counter()
@@ -138,6 +146,8 @@ def simulate_trace(
                 costs.append(ideal[n])
                 continue
             costs.append(step_cost(plan, loads, trace.topk, topo, cost, prev))
+            if not plan.persistent_replicas:
+                floors.append(placement_floor_us(loads, plan.home_LE, topo, cost))
             prev = plan.home_LE
             if dump_dir is not None:
                 homes.append(plan.home_LE.astype(np.int32))
@@ -145,27 +155,34 @@ def simulate_trace(
         if dump_dir is not None and homes:
             Path(dump_dir).mkdir(parents=True, exist_ok=True)
             np.savez_compressed(Path(dump_dir) / f"{name}.npz", home=np.stack(homes), served=np.stack(served))
-        out.append(_summary(name, costs, ideal_moe, times))
+        out.append(_summary(name, costs, floors, ideal_moe, times))
     return out
 
 
 def format_table(rows: Sequence[PlanSummary], num_steps: int) -> str:
     """A fixed-width table; times per step in milliseconds."""
     head = (
-        f"{'plan':<20} {'MoE/ideal':>9} {'skew mean':>9} {'skew max':>8} {'xnode GB':>8} {'migr GB':>7} "
+        f"{'plan':<20} {'MoE/ideal':>9} {'floor':>6} {'skew mean':>9} {'skew max':>8} {'xnode GB':>8} {'migr GB':>7} "
         f"{'plan s':>7} {'compute':>8} {'a2a':>8} {'repl':>7} {'migr':>7}"
     )
     lines = [head, "-" * len(head)]
     ms = 1e-3 / num_steps
     for r in rows:
         lines.append(
-            f"{r.plan:<20} {r.moe_vs_ideal:>9.3f} {r.mean_skew:>9.3f} {r.max_skew:>8.2f} "
+            f"{r.plan:<20} {r.moe_vs_ideal:>9.3f} {_blank_nan(r.floor_vs_ideal):>6} {r.mean_skew:>9.3f} {r.max_skew:>8.2f} "
             f"{r.cross_node_gb_per_step:>8.2f} {r.migration_gb_per_step:>7.2f} {r.planner_s_per_step:>7.3f} "
             f"{r.compute_us * ms:>8.1f} {r.alltoall_us * ms:>8.1f} {r.replication_us * ms:>7.1f} "
             f"{r.migration_us * ms:>7.1f}"
         )
-    lines.append("times: ms per step (MoE part); MoE/ideal: simulated MoE time over the ideal plan's")
+    lines.append(
+        "times: ms per step (MoE part); MoE/ideal: simulated MoE time over the ideal plan's; floor: the placement's "
+        "floor over the ideal MoE time (no in-node replicas can beat it)"
+    )
     return "\n".join(lines)
+
+
+def _blank_nan(x: float) -> str:
+    return "" if np.isnan(x) else f"{x:.3f}"
 
 
 def _override(config: RelibraConfig, assignments: Sequence[str]) -> RelibraConfig:

@@ -4,9 +4,9 @@
 - `ideal`: the perfectly balanced reference (an `IdealPlan`, evaluated in closed form by the simulator).
 - `eplb_history` / `eplb_oracle`: DeepSeek's EPLB (hierarchical policy, global where groups do not divide among
   nodes) fed a moving average of past steps / the current step's exact load; `*_global` force the global policy.
-- `relibra`: simulated-annealing reorder across nodes + per-(m, l) intra-node replication with locality-aware
-  splitting.
-- ablations: `reorder_only` (annealing, no replicas), `replicate_only` (static homes + replication),
+- `relibra`: simulated-annealing reorder across nodes refined by an exact descent on the placement floor, +
+  per-(m, l) intra-node replication with locality-aware splitting.
+- ablations: `reorder_only` (annealing and descent, no replicas), `replicate_only` (static homes + replication),
   `greedy_lpt` (LPT reorder + replication).
 
 Every stage of the ReLibra family is independent per layer, so those planners split the layers into
@@ -25,6 +25,7 @@ import numpy as np
 from relibra.plan import IdealPlan, Plan, PlannerState, static_home_LE
 from relibra.planners.base import PlanContext, PlannerFn, check_loads, home_plan, next_state, previous_home
 from relibra.planners.eplb import eplb_plan
+from relibra.planners.refine import refine_home
 from relibra.planners.reorder import (
     ReorderWeights,
     anneal_home,
@@ -98,15 +99,17 @@ def plan_eplb_oracle_global(loads_MLSE, ctx, state):
 
 
 def annealed_home(loads_MLSE: np.ndarray, prev_LE: np.ndarray, ctx: PlanContext, rng) -> np.ndarray:
-    """The reorder step of ReLibra: anneal from the better of the previous placement and LPT (per layer)."""
+    """The reorder step of ReLibra: anneal from the better of the previous placement and LPT (per layer), then
+    descend on the placement floor (`relibra.planners.refine`)."""
     cfg, topo = ctx.config, ctx.topo
     prob = reorder_problem(loads_MLSE, prev_LE, topo, ReorderWeights.from_config(cfg, ctx.cost, topo))
     lpt = greedy_lpt_home(loads_MLSE, topo)
     use_lpt = reorder_objective_L(prob, lpt) < reorder_objective_L(prob, prev_LE)
     start = np.where(use_lpt[:, None], lpt, prev_LE)
-    return anneal_home(
+    home = anneal_home(
         prob, start, rng, cfg.anneal_iters, cfg.anneal_candidates, cfg.anneal_t0, cfg.anneal_cooling
     )
+    return refine_home(prob, home, cfg.refine_rounds, cfg.refine_top_k)
 
 
 def _by_layer_chunks(loads_MLSE, ctx: PlanContext, state: PlannerState, plan_chunk) -> Plan:

@@ -21,6 +21,7 @@ t0 * cooling^(swaps tried) relative to the layer's starting objective, and keeps
 placement (warm start) and the greedy-LPT placement, both judged by J including migration.
 
 `greedy_lpt_home` is the ablation baseline: balanced packing (LPT) of experts onto GPUs by aggregate load.
+The annealed placement is then refined by an exact descent on its floor (`relibra.planners.refine`).
 
 Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, H home slots, Z nodes, Q GPUs per node,
 C candidate swaps, X slot positions (G * H).
@@ -41,6 +42,7 @@ __all__ = [
     "ReorderWeights",
     "anneal_home",
     "greedy_lpt_home",
+    "migration_cost",
     "reorder_objective_L",
     "reorder_problem",
 ]
@@ -76,11 +78,13 @@ class ReorderWeights:
 
 @dataclass(frozen=True)
 class ReorderProblem:
-    """Per-layer inputs of J: W_LEM pairs of expert e in micro-batch m, A_LZEM those from node z's sources,
-    scale_LM the smoothing scale s (mean node load, at least 1), prev_LE the previous placement."""
+    """Per-layer inputs of J: W_LEM pairs of expert e in micro-batch m, A_LZEM those from node z's sources, D_LSEM
+    those from source rank s (the loads, transposed), scale_LM the smoothing scale s (mean node load, at least 1),
+    prev_LE the previous placement."""
 
     W_LEM: np.ndarray
     A_LZEM: np.ndarray
+    D_LSEM: np.ndarray
     scale_LM: np.ndarray
     prev_LE: np.ndarray
     topo: Topology
@@ -94,8 +98,9 @@ def reorder_problem(loads_MLSE: np.ndarray, prev_LE: np.ndarray, topo: Topology,
     A_LZEM = np.ascontiguousarray(
         loads_MLSE.reshape(M, L, Z, Q, E).sum(axis=3).transpose(1, 2, 3, 0), dtype=np.float64
     )
+    D_LSEM = np.ascontiguousarray(loads_MLSE.transpose(1, 2, 3, 0))
     scale_LM = np.maximum(W_LEM.sum(axis=1) / Z, 1.0)
-    return ReorderProblem(W_LEM, A_LZEM, scale_LM, np.asarray(prev_LE), topo, weights)
+    return ReorderProblem(W_LEM, A_LZEM, D_LSEM, scale_LM, np.asarray(prev_LE), topo, weights)
 
 
 def _gpu_loads_LGM(prob: ReorderProblem, home_LE: np.ndarray) -> np.ndarray:
@@ -124,7 +129,7 @@ def _smax_LM(x_LKM: np.ndarray, scale_LM: np.ndarray, beta: float) -> np.ndarray
     return scale_LM / beta * (np.log(np.exp(z - top).sum(axis=1)) + top[:, 0])
 
 
-def _migration_cost(prob: ReorderProblem, e_X: np.ndarray, g_X: np.ndarray, l_X: np.ndarray) -> np.ndarray:
+def migration_cost(prob: ReorderProblem, e_X: np.ndarray, g_X: np.ndarray, l_X: np.ndarray) -> np.ndarray:
     Q = prob.topo.node_size
     prev = prob.prev_LE[l_X, e_X]
     w = prob.weights
@@ -145,7 +150,7 @@ def reorder_objective_L(prob: ReorderProblem, home_LE: np.ndarray) -> np.ndarray
     else:  # one node: the node term is a constant, keep it so J is comparable across topologies
         total += w.node * NL[:, 0].sum(axis=-1)
     l_X = np.repeat(np.arange(L), E)
-    mig = _migration_cost(prob, np.tile(np.arange(E), L), home_LE.reshape(-1), l_X).reshape(L, E)
+    mig = migration_cost(prob, np.tile(np.arange(E), L), home_LE.reshape(-1), l_X).reshape(L, E)
     return total + mig.sum(axis=1)
 
 
@@ -244,8 +249,8 @@ class _Annealer:
             cross = self._delta_lse(sums, change)
             delta += np.where(z1 == z2, 0.0, w.node * node + w.cross * cross)
         L_X = np.broadcast_to(rows, x1.shape)
-        mig = _migration_cost(prob, e2, g1, L_X) + _migration_cost(prob, e1, g2, L_X)
-        mig -= _migration_cost(prob, e1, g1, L_X) + _migration_cost(prob, e2, g2, L_X)
+        mig = migration_cost(prob, e2, g1, L_X) + migration_cost(prob, e1, g2, L_X)
+        mig -= migration_cost(prob, e1, g1, L_X) + migration_cost(prob, e2, g2, L_X)
         return delta + mig, d.reshape(self.L, self.C, self.M)
 
     def apply(self, layers: np.ndarray, x1: np.ndarray, x2: np.ndarray, d_AM: np.ndarray) -> None:

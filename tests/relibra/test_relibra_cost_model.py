@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from relibra.config import RelibraConfig
-from relibra.cost_model import CostModel, ideal_step_cost, moe_lower_bound_us, step_cost
+from relibra.cost_model import CostModel, ideal_step_cost, moe_lower_bound_us, placement_floor_us, step_cost
 from relibra.loads import LoadTrace
 from relibra.plan import PlannerState, Topology, static_home_LE
 from relibra.planners import PlanContext, run_planner
@@ -268,3 +268,32 @@ def test_lower_bound_against_every_placement():
         )
         assert bound <= best + 1e-9
         assert bound >= 0.75 * best  # measured 0.80-0.82: the bound ignores the send side and NVLink
+
+
+@pytest.mark.parametrize("attention", [0.15, 0.0])
+def test_placement_floor_holds_for_every_in_node_plan_on_its_placement(setup, attention):
+    trace, topo, _plan = setup
+    cost = dataclasses.replace(COST, attention_us_per_token=attention)
+    ctx = PlanContext(topo, RelibraConfig(min_replica_tokens=32), cost, 4)
+    loads = trace.loads_NMLSE[0]
+    for name in ("static", "greedy_lpt", "reorder_only", "replicate_only", "relibra"):
+        plan, _ = run_planner(name, loads, ctx, PlannerState())
+        floor = placement_floor_us(loads, plan.home_LE, topo, cost)
+        moe = step_cost(plan, loads, 4, topo, cost, plan.home_LE).moe_us  # no migration
+        assert 0 < floor <= moe + 1e-9, name
+    # Replicas can only approach the floor of the placement they sit on: relibra's plan beats the bare placement.
+    relibra, _ = run_planner("relibra", loads, ctx, PlannerState())
+    bare = step_cost(home_plan(loads, relibra.home_LE, topo), loads, 4, topo, cost, relibra.home_LE).moe_us
+    assert placement_floor_us(loads, relibra.home_LE, topo, cost) < bare
+
+
+def test_placement_floor_is_exact_without_copies_and_tiles():
+    """One GPU per node (no copy can exist), tile 1 and no fixed GEMM cost: the floor is the plan's MoE time."""
+    trace = generate_loads(SyntheticLoads(num_steps=1, num_microbatches=3, num_layers=2, num_source_ranks=4,
+                                          num_experts=8, topk=2, tokens_per_rank=50))  # fmt: skip
+    loads = trace.loads_NMLSE[0]
+    topo = Topology(4, 1, 8, 2)
+    cost = dataclasses.replace(COST, gemm_tile=1, gemm_us_fixed=0.0)
+    home = np.random.default_rng(0).permuted(static_home_LE(2, topo), axis=1)
+    moe = step_cost(home_plan(loads, home, topo), loads, 2, topo, cost, home).moe_us
+    assert placement_floor_us(loads, home, topo, cost) == pytest.approx(moe, rel=1e-12)

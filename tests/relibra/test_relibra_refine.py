@@ -1,0 +1,100 @@
+"""The exact descent on the placement floor: its objective is the cost model's floor plus migration, its incremental
+evaluation agrees with the full one, and with every swap screened it stops only in a swap-local optimum."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from relibra.config import RelibraConfig
+from relibra.cost_model import NUM_ALLTOALLS, CostModel, placement_floor_us
+from relibra.plan import Topology, static_home_LE
+from relibra.planners.refine import _Descent, floor_objective_L, refine_home
+from relibra.planners.reorder import ReorderWeights, reorder_problem
+from relibra.synthetic import SyntheticLoads, generate_loads
+
+COST = CostModel.from_yaml()
+
+
+def _problem(G: int, Q: int, E: int, seed: int = 0, M: int = 3, L: int = 3):
+    loads = generate_loads(
+        SyntheticLoads(num_steps=1, num_microbatches=M, num_layers=L, num_source_ranks=G, num_experts=E, topk=2,
+                       tokens_per_rank=96, group_size=2, seed=seed)
+    ).loads_NMLSE[0]  # fmt: skip
+    topo = Topology(G, Q, E, 2)
+    rng = np.random.default_rng(seed)
+    prev = rng.permuted(static_home_LE(L, topo), axis=1)
+    home = rng.permuted(static_home_LE(L, topo), axis=1)
+    prob = reorder_problem(loads, prev, topo, ReorderWeights.from_config(RelibraConfig(), COST, topo))
+    return loads, topo, prev, home, prob
+
+
+def _swapped(home_LE: np.ndarray, layer: int, e1: int, e2: int) -> np.ndarray:
+    out = home_LE.copy()
+    out[layer, e1], out[layer, e2] = home_LE[layer, e2], home_LE[layer, e1]
+    return out
+
+
+@pytest.mark.parametrize("G, Q", [(8, 4), (12, 4)])
+def test_objective_is_the_placement_floor_plus_migration(G, Q):
+    loads, topo, prev, home, prob = _problem(G, Q, E=2 * G)
+    F = floor_objective_L(prob, home).sum()
+    latency = NUM_ALLTOALLS * COST.alltoall_latency_us * (loads.sum(axis=(2, 3)) > 0).sum()
+    node = np.arange(G) // Q
+    per_expert = COST.migration_bytes_per_expert()
+    moved = home != prev
+    same_node = node[home] == node[prev]
+    migration = (moved & ~same_node).sum() * COST.nic_us(per_expert) / G
+    migration += (moved & same_node).sum() * COST.nvlink_us(per_expert) / G
+    want = placement_floor_us(loads, home, topo, COST) - latency + migration
+    assert want == pytest.approx(F, rel=1e-9)
+
+
+@pytest.mark.parametrize("G, Q", [(8, 4), (12, 4)])
+def test_incremental_deltas_and_updates_match_full_evaluation(G, Q):
+    _loads, _topo, _prev, home, prob = _problem(G, Q, E=2 * G, seed=1)
+    state = _Descent(prob, home)
+    act = np.arange(home.shape[0])
+    rng = np.random.default_rng(2)
+    for _ in range(4):
+        e1, e2, pair_C = state.candidates(act, top_k=3)
+        swaps = state.evaluate(act, e1, e2, pair_C)
+        before = floor_objective_L(prob, state.home_LE)
+        for layer in act:
+            for c in range(e1.shape[1]):
+                assert state.home_LE[layer, e1[layer, c]] // Q == state.first[pair_C[c]]
+                assert state.home_LE[layer, e2[layer, c]] // Q == state.second[pair_C[c]]
+                trial = _swapped(state.home_LE, layer, e1[layer, c], e2[layer, c])
+                want = floor_objective_L(prob, trial)[layer] - before[layer]
+                assert swaps.delta_LC[layer, c] == pytest.approx(want, rel=1e-9, abs=1e-6)
+        state.apply(act, act, rng.integers(0, e1.shape[1], size=len(act)), e1, e2, pair_C, swaps)
+        fresh = _Descent(prob, state.home_LE)
+        for name in ("NL", "RC", "SD"):
+            np.testing.assert_allclose(getattr(state, name), getattr(fresh, name), atol=1e-6)
+
+
+@pytest.mark.parametrize("G, Q, seed", [(4, 2, 0), (4, 2, 1), (6, 2, 2)])
+def test_descent_with_every_swap_screened_ends_in_a_swap_local_optimum(G, Q, seed):
+    E = 2 * G
+    _loads, _topo, _prev, home, prob = _problem(G, Q, E, seed=seed, M=4, L=2)
+    start = floor_objective_L(prob, home)
+    got = refine_home(prob, home, max_rounds=200, top_k=E)  # top_k >= experts per node: every swap screened
+    final = floor_objective_L(prob, got)
+    assert (final <= start + 1e-9).all()
+    assert (final < start - 1e-9).any()  # the random start is not already optimal
+    np.testing.assert_array_equal(np.sort(np.bincount(got[0], minlength=G)), np.full(G, E // G))
+    node = got // Q
+    for layer in range(got.shape[0]):
+        for e1, e2 in itertools.combinations(range(E), 2):
+            if node[layer, e1] != node[layer, e2]:
+                trial = floor_objective_L(prob, _swapped(got, layer, e1, e2))[layer]
+                assert trial >= final[layer] - 1e-9 * abs(final[layer])
+
+
+def test_one_node_or_no_rounds_leave_the_placement():
+    _loads, _topo, _prev, home, prob = _problem(4, 4, 8)
+    np.testing.assert_array_equal(refine_home(prob, home, 10, 4), home)
+    _loads, _topo, _prev, home, prob = _problem(8, 4, 16)
+    np.testing.assert_array_equal(refine_home(prob, home, 0, 4), home)
