@@ -130,6 +130,8 @@ def _smax_LM(x_LKM: np.ndarray, scale_LM: np.ndarray, beta: float) -> np.ndarray
 
 
 def migration_cost(prob: ReorderProblem, e_X: np.ndarray, g_X: np.ndarray, l_X: np.ndarray) -> np.ndarray:
+    """mig(e, g) of J for arrays of (expert, GPU, layer): 0 where g is e's previous GPU, else the spread-out
+    migration time over NVLink (same node) or the NICs."""
     Q = prob.topo.node_size
     prev = prob.prev_LE[l_X, e_X]
     w = prob.weights
