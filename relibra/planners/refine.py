@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from relibra.planners.reorder import ReorderProblem, migration_cost
+from relibra.planners.reorder import ReorderProblem, _gpu_loads_LGM, _node_terms, migration_cost, migration_L
 
 __all__ = ["floor_objective_L", "refine_home"]
 
@@ -75,9 +75,8 @@ class _Descent:
         self.D = np.ascontiguousarray(
             prob.D_LSEM.reshape(L, Z, Q, E, M).transpose(0, 1, 3, 2, 4), dtype=np.float32
         )
+        self.NL, self.RC, _ = _node_terms(prob, home_LE, _gpu_loads_LGM(prob, home_LE))
         in_node_LZE = (home_LE[:, None, :] // Q) == np.arange(Z)[None, :, None]
-        self.NL = np.einsum("lem,lze->lzm", prob.W_LEM, in_node_LZE)
-        self.RC = self.NL - np.einsum("lzem,lze->lzm", prob.A_LZEM, in_node_LZE)
         away_LZ1E = (~in_node_LZE[:, :, None, :]).astype(np.float64)  # source node z, expert e
         self.SD = (away_LZ1E @ self.D.reshape(L, Z, E, Q * M)).reshape(L, Z * Q, M)
 
@@ -181,11 +180,7 @@ class _Descent:
 
 def floor_objective_L(prob: ReorderProblem, home_LE: np.ndarray) -> np.ndarray:
     """F of every layer for placement home_LE (the full evaluation the descent's deltas must agree with)."""
-    state = _Descent(prob, home_LE)
-    L, E = home_LE.shape
-    l_X = np.repeat(np.arange(L), E)
-    mig = migration_cost(prob, np.tile(np.arange(E), L), home_LE.reshape(-1), l_X).reshape(L, E)
-    return state.current(np.arange(L)) + mig.sum(axis=1)
+    return _Descent(prob, home_LE).current(np.arange(home_LE.shape[0])) + migration_L(prob, home_LE)
 
 
 def refine_home(prob: ReorderProblem, home_LE: np.ndarray, max_rounds: int, top_k: int) -> np.ndarray:

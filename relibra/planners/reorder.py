@@ -42,6 +42,7 @@ __all__ = [
     "ReorderWeights",
     "anneal_home",
     "greedy_lpt_home",
+    "migration_L",
     "migration_cost",
     "reorder_objective_L",
     "reorder_problem",
@@ -98,7 +99,9 @@ def reorder_problem(loads_MLSE: np.ndarray, prev_LE: np.ndarray, topo: Topology,
     A_LZEM = np.ascontiguousarray(
         loads_MLSE.reshape(M, L, Z, Q, E).sum(axis=3).transpose(1, 2, 3, 0), dtype=np.float64
     )
-    D_LSEM = np.ascontiguousarray(loads_MLSE.transpose(1, 2, 3, 0))
+    D_LSEM = loads_MLSE.transpose(
+        1, 2, 3, 0
+    )  # a view: `relibra.planners.refine` copies it into its own layout
     scale_LM = np.maximum(W_LEM.sum(axis=1) / Z, 1.0)
     return ReorderProblem(W_LEM, A_LZEM, D_LSEM, scale_LM, np.asarray(prev_LE), topo, weights)
 
@@ -138,9 +141,15 @@ def migration_cost(prob: ReorderProblem, e_X: np.ndarray, g_X: np.ndarray, l_X: 
     return np.where(g_X == prev, 0.0, np.where(g_X // Q == prev // Q, w.migrate_nvlink, w.migrate_nic))
 
 
+def migration_L(prob: ReorderProblem, home_LE: np.ndarray) -> np.ndarray:
+    """sum_e mig(e, home(e)) of every layer."""
+    L, E = home_LE.shape
+    l_X = np.repeat(np.arange(L), E)
+    return migration_cost(prob, np.tile(np.arange(E), L), home_LE.reshape(-1), l_X).reshape(L, E).sum(axis=1)
+
+
 def reorder_objective_L(prob: ReorderProblem, home_LE: np.ndarray) -> np.ndarray:
     """J of every layer for placement home_LE (the full evaluation the annealing's deltas must agree with)."""
-    L, E, _ = prob.W_LEM.shape
     w = prob.weights
     GL = _gpu_loads_LGM(prob, home_LE)
     NL, recv, send = _node_terms(prob, home_LE, GL)
@@ -151,9 +160,7 @@ def reorder_objective_L(prob: ReorderProblem, home_LE: np.ndarray) -> np.ndarray
         total += w.cross * _smax_LM(cross, prob.scale_LM, w.beta).sum(axis=1)
     else:  # one node: the node term is a constant, keep it so J is comparable across topologies
         total += w.node * NL[:, 0].sum(axis=-1)
-    l_X = np.repeat(np.arange(L), E)
-    mig = migration_cost(prob, np.tile(np.arange(E), L), home_LE.reshape(-1), l_X).reshape(L, E)
-    return total + mig.sum(axis=1)
+    return total + migration_L(prob, home_LE)
 
 
 def greedy_lpt_home(loads_MLSE: np.ndarray, topo: Topology) -> np.ndarray:
