@@ -18,7 +18,7 @@ class RelibraConfig:
     )
     replica_slots: int = spec(2, ge=0, help="R: spare expert slots per EP rank")
     min_replica_tokens: int = spec(256, ge=0, help="no replica below this many (token, expert) pairs")
-    imbalance_tolerance: float = spec(0.02, ge=0, help="eps of the replication greedy")
+    imbalance_tolerance: float = spec(0.005, ge=0, help="eps of the replication greedy")
     anneal_iters: int = spec(2000, ge=0, help="simulated-annealing swaps tried per layer and step")
     anneal_t0: float = spec(0.05, ge=0)
     anneal_cooling: float = spec(0.995, gt=0, le=1)
@@ -40,10 +40,11 @@ class RelibraConfig:
     refine_rounds: int = spec(
         64, ge=0, help="rounds of the exact swap descent on the placement floor after annealing (0: off)"
     )
-    refine_top_k: int = spec(
-        2,
+    refine_candidates: int = spec(
+        256,
         ge=0,
-        help="screened experts per node and node pair in each descent round (more: a better placement, slower)",
+        help="swaps priced exactly per layer in each descent round, spread over the node pairs (0: off; more: a "
+        "better placement, slower)",
     )
     planner_threads: int = spec(
         2, ge=1, help="threads that plan chunks of layers in parallel (numpy kernels)"

@@ -109,7 +109,7 @@ def annealed_home(loads_MLSE: np.ndarray, prev_LE: np.ndarray, ctx: PlanContext,
     home = anneal_home(
         prob, start, rng, cfg.anneal_iters, cfg.anneal_candidates, cfg.anneal_t0, cfg.anneal_cooling
     )
-    return refine_home(prob, home, cfg.refine_rounds, cfg.refine_top_k)
+    return refine_home(prob, home, cfg.refine_rounds, cfg.refine_candidates)
 
 
 def _by_layer_chunks(loads_MLSE, ctx: PlanContext, state: PlannerState, plan_chunk) -> Plan:

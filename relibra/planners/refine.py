@@ -19,40 +19,55 @@ Each round, all layers in lockstep:
   zN_m the busiest node of micro-batch m; where a node's receives bind the NIC term (node zR_m), r_e(z) =
   sum_m [z = zR_m] (W_e[m] - A_ze[m]) (A_ze: pairs of e from node z's sources); where a source's sends bind (source
   sS_m), q_e(z) = sum_m [z = node(sS_m)] Q D_{sS_m, e}[m];
-- for every node pair (a, b), the `top_k` experts of a with the lowest g(e, b) and those of b with the lowest
-  g(e, a) make top_k^2 candidate swaps; each is evaluated exactly (only nodes a and b and their sources change);
+- for every node pair (a, b), the k experts of a with the lowest g(e, b) and those of b with the lowest g(e, a)
+  make k^2 candidate swaps; each is evaluated exactly (only nodes a and b and their sources change); k is the
+  screen width that fits `num_candidates` swaps per layer over the Z (Z - 1) / 2 node pairs (`screen_width`), so a
+  round costs about the same at every EP size;
 - the best candidate of a layer is applied if it lowers F; a layer where none does is done (its state, hence its
   candidates, would not change); the descent stops when every layer is done or after `max_rounds` rounds.
 Measured on the generator (32 micro-batches x 4096 tokens per rank, 48 layers, the step after a warm-up step), floor
-over ideal MoE time at EP 16 / 32: 1.032 / 1.093 after the annealing alone; 1.029 / 1.090 with the default screen
-(2 experts per node and node pair, ~0.05 s more planning at EP 32); 1.016 / 1.074 screening 16 (seconds of planning).
-An exhaustive best-swap descent (every cross-node swap priced each round) took single layers from 1.047-1.053 /
-1.080-1.088 to 1.022-1.029 / 1.059-1.064 in 7-19 swaps, at ~0.1-0.2 s per layer: that is the headroom left.
+over ideal MoE time at EP 16 / 32: 1.035 / 1.092 after the annealing alone; 1.017 / 1.079 with the default 256
+candidates per layer and round (k = 16 / 6; ~0.2 s more planning at EP 32); 1.015 / 1.072 with 1536 (seconds). An
+exhaustive best-swap descent (every cross-node swap priced each round) took single layers from 1.047-1.053 /
+1.080-1.088 to 1.022-1.029 / 1.059-1.064 in 7-19 swaps, at ~0.1-0.2 s per layer: that is the headroom left at EP 32.
 
 Legend: M micro-batches, L layers, S source ranks, E experts, Z nodes, Q GPUs per node, C candidate swaps.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from relibra.planners.reorder import ReorderProblem, _gpu_loads_LGM, _node_terms, migration_cost, migration_L
 
-__all__ = ["floor_objective_L", "refine_home"]
+__all__ = ["floor_objective_L", "refine_home", "screen_width"]
 
 
-@dataclass
-class _Swaps:
-    """Exact evaluation of candidate swaps [n, C] of n layers: the change of F and the load changes to apply."""
+@dataclass(frozen=True)
+class _Screen:
+    """Candidate swaps of n layers on a grid: for node pair p = (a, b), expert ea[:, p, i] of node a with expert
+    eb[:, p, j] of node b. Flat column c = (p k + i) k + j, so that e1 [n, C], e2 [n, C] and pair_C [C] list them."""
 
-    delta_LC: np.ndarray
-    dW_LCM: np.ndarray  # change of node a's load (node b's is the opposite)
-    d_recv_a_LCM: np.ndarray
-    d_recv_b_LCM: np.ndarray
-    d_send_a_LCQM: np.ndarray  # change of the sends of node a's sources
-    d_send_b_LCQM: np.ndarray
+    ea_nPK: np.ndarray
+    eb_nPK: np.ndarray
+
+    @property
+    def e1(self) -> np.ndarray:
+        n, _P, k = self.ea_nPK.shape
+        return np.repeat(self.ea_nPK, k, axis=2).reshape(n, -1)
+
+    @property
+    def e2(self) -> np.ndarray:
+        n, _P, k = self.eb_nPK.shape
+        return np.tile(self.eb_nPK, (1, 1, k)).reshape(n, -1)
+
+    @property
+    def pair_C(self) -> np.ndarray:
+        _n, P, k = self.ea_nPK.shape
+        return np.repeat(np.arange(P), k * k)
 
 
 class _Descent:
@@ -77,7 +92,7 @@ class _Descent:
         )
         self.NL, self.RC, _ = _node_terms(prob, home_LE, _gpu_loads_LGM(prob, home_LE))
         in_node_LZE = (home_LE[:, None, :] // Q) == np.arange(Z)[None, :, None]
-        away_LZ1E = (~in_node_LZE[:, :, None, :]).astype(np.float64)  # source node z, expert e
+        away_LZ1E = (~in_node_LZE[:, :, None, :]).astype(np.float32)  # source node z, expert e
         self.SD = (away_LZ1E @ self.D.reshape(L, Z, E, Q * M)).reshape(L, Z * Q, M)
 
     def per_micro_batch(self, NL_max, RC_max, SD_max):
@@ -109,73 +124,89 @@ class _Descent:
         at = lambda t: np.take_along_axis(t, here, axis=2)  # noqa: E731
         return self.wN * (t_node - at(t_node)) + self.wX * (t_recv - at(t_recv) + at(t_send) - t_send)
 
-    def candidates(self, act: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """e1 [n, C] on node a, e2 [n, C] on node b, and the index of the node pair (a, b) of every column."""
+    def candidates(self, act: np.ndarray, top_k: int) -> _Screen:
+        """For every node pair (a, b), the top_k experts of a cheapest to move to b and those of b to a."""
         g = self.subgradient(act)
         node_nE = self.home_LE[act] // self.Q
         k = min(top_k, self.E // self.Z)
-        e1s, e2s = [], []
-        for a, b in self.pairs:
-            best_a = np.argpartition(np.where(node_nE == a, g[..., b], np.inf), k - 1, axis=1)[:, :k]
-            best_b = np.argpartition(np.where(node_nE == b, g[..., a], np.inf), k - 1, axis=1)[:, :k]
-            e1s.append(np.repeat(best_a, k, axis=1))
-            e2s.append(np.tile(best_b, (1, k)))
-        pair_C = np.repeat(np.arange(len(self.pairs)), k * k)
-        return np.concatenate(e1s, axis=1), np.concatenate(e2s, axis=1), pair_C
 
-    def _others_max(self, X_nZM: np.ndarray, pair_C: np.ndarray) -> np.ndarray | float:
-        """[n, C, M]: max of X over the nodes outside each candidate's node pair (-inf with two nodes)."""
+        def cheapest(z: int, t: int) -> np.ndarray:  # [n, k]: experts of node z cheapest to move to node t
+            return np.argpartition(np.where(node_nE == z, g[..., t], np.inf), k - 1, axis=1)[:, :k]
+
+        ea = np.stack([cheapest(a, b) for a, b in self.pairs], axis=1)
+        eb = np.stack([cheapest(b, a) for a, b in self.pairs], axis=1)
+        return _Screen(ea, eb)
+
+    def _others_max(self, X_nZM: np.ndarray) -> np.ndarray | float:
+        """[n, P, 1, 1, M]: max of X over the nodes outside each node pair (-inf with two nodes)."""
         if self.Z == 2:
             return -np.inf
         out = np.stack([np.delete(X_nZM, [a, b], axis=1).max(axis=1) for a, b in self.pairs], axis=1)
-        return out[:, pair_C]
+        return out[:, :, None, None]
 
-    def evaluate(self, act: np.ndarray, e1: np.ndarray, e2: np.ndarray, pair_C: np.ndarray) -> _Swaps:
-        """Exact change of F for every candidate swap of the layers `act`."""
-        prob, rows, Q = self.prob, act[:, None], self.Q
-        a_C, b_C = self.first[pair_C][None, :], self.second[pair_C][None, :]
-        W1, W2 = prob.W_LEM[rows, e1], prob.W_LEM[rows, e2]
-        dW = W2 - W1
-        A = lambda z, e: prob.A_LZEM[rows, z, e]  # noqa: E731
-        d_ra = (W2 - A(a_C, e2)) - (W1 - A(a_C, e1))
-        d_rb = (W1 - A(b_C, e1)) - (W2 - A(b_C, e2))
-        d_sa = self.D[rows, a_C, e1] - self.D[rows, a_C, e2]  # [n, C, Q, M]
-        d_sb = self.D[rows, b_C, e2] - self.D[rows, b_C, e1]
+    def evaluate(self, act: np.ndarray, screen: _Screen) -> np.ndarray:
+        """[n, C]: the exact change of F for every screened swap of the layers `act` (columns as in `_Screen`).
+
+        Swapping e1 (node a) with e2 (node b) adds W2 - W1 to node a's load, (W2 - A_a2) - (W1 - A_a1) to its
+        receives and D_a1 - D_a2 to the sends of its sources (and the mirror image to node b); every term is a
+        difference of a row of e1 and a row of e2, so the grid is two gathers per side and one broadcast.
+        """
+        prob, Q = self.prob, self.Q
+        ea, eb = screen.ea_nPK, screen.eb_nPK
+        n, P, k = ea.shape
+        rows = act[:, None, None]
+        a, b = self.first[None, :, None], self.second[None, :, None]
+        grid = lambda x_i, x_j: x_j[:, :, None] - x_i[:, :, :, None]  # noqa: E731  [n, P, k, k, ...]: x_j - x_i
+        Wa, Wb = prob.W_LEM[rows, ea], prob.W_LEM[rows, eb]
+        A = prob.A_LZEM
+        dW = grid(Wa, Wb)
+        d_ra = grid(Wa - A[rows, a, ea], Wb - A[rows, a, eb])
+        d_rb = -grid(Wa - A[rows, b, ea], Wb - A[rows, b, eb])
+        n_rows = np.arange(n)[:, None]
+        at = lambda X, z: X[n_rows, z][:, :, None, None]  # noqa: E731  node rows [n, P, 1, 1, ...]
         NL, RC = self.NL[act], self.RC[act]
-        SD = self.SD[act].reshape(len(act), self.Z, Q, self.M)
-        n_rows = np.arange(len(act))[:, None]
-        pick = lambda X, z: X[n_rows, z]  # noqa: E731
+        SD = self.SD[act].reshape(n, self.Z, Q, self.M)
+        send_a = at(SD, self.first)[:, :, 0] + self.D[rows, a, ea]  # [n, P, k, Q, M] before e2 arrives
+        send_b = at(SD, self.second)[:, :, 0] + self.D[rows, b, eb]
+        new_send_a = _max_over_sources(send_a[:, :, :, None], self.D[rows, a, eb][:, :, None])
+        new_send_b = _max_over_sources(send_b[:, :, None], self.D[rows, b, ea][:, :, :, None])
         new = self.per_micro_batch(
-            np.maximum(np.maximum(pick(NL, a_C) + dW, pick(NL, b_C) - dW), self._others_max(NL, pair_C)),
-            np.maximum(np.maximum(pick(RC, a_C) + d_ra, pick(RC, b_C) + d_rb), self._others_max(RC, pair_C)),
+            np.maximum(np.maximum(at(NL, self.first) + dW, at(NL, self.second) - dW), self._others_max(NL)),
             np.maximum(
-                np.maximum((pick(SD, a_C) + d_sa).max(axis=2), (pick(SD, b_C) + d_sb).max(axis=2)),
-                self._others_max(SD.max(axis=2), pair_C),
+                np.maximum(at(RC, self.first) + d_ra, at(RC, self.second) + d_rb), self._others_max(RC)
             ),
+            np.maximum(np.maximum(new_send_a, new_send_b), self._others_max(SD.max(axis=2))),
         ).sum(axis=-1)
-        g1, g2 = self.home_LE[rows, e1], self.home_LE[rows, e2]
-        L_C = np.broadcast_to(rows, e1.shape)
-        mig = migration_cost(prob, e1, g2, L_C) + migration_cost(prob, e2, g1, L_C)
-        mig -= migration_cost(prob, e1, g1, L_C) + migration_cost(prob, e2, g2, L_C)
-        return _Swaps(new - self.current(act)[:, None] + mig, dW, d_ra, d_rb, d_sa, d_sb)
+        g1, g2 = self.home_LE[rows, ea][..., :, None], self.home_LE[rows, eb][..., None, :]
+        e1, e2, L_X = ea[..., :, None], eb[..., None, :], act[:, None, None, None]
+        mig = migration_cost(prob, e1, g2, L_X) + migration_cost(prob, e2, g1, L_X)
+        mig -= migration_cost(prob, e1, g1, L_X) + migration_cost(prob, e2, g2, L_X)
+        delta = new - self.current(act)[:, None, None, None] + mig
+        return delta.reshape(n, P * k * k)
 
-    def apply(
-        self, act: np.ndarray, sel: np.ndarray, picks: np.ndarray, e1, e2, pair_C, swaps: _Swaps
-    ) -> None:
-        """Apply candidate picks[i] to layer act[sel[i]]."""
-        Q, layers = self.Q, act[sel]
-        take = lambda x: x[sel, picks]  # noqa: E731
-        a, b = self.first[pair_C[picks]], self.second[pair_C[picks]]
-        self.NL[layers, a] += take(swaps.dW_LCM)
-        self.NL[layers, b] -= take(swaps.dW_LCM)
-        self.RC[layers, a] += take(swaps.d_recv_a_LCM)
-        self.RC[layers, b] += take(swaps.d_recv_b_LCM)
+    def apply(self, layers: np.ndarray, e1: np.ndarray, e2: np.ndarray, pair: np.ndarray) -> None:
+        """Swap expert e1[i] (node a of node pair pair[i]) with e2[i] (node b) in layer layers[i]."""
+        prob, Q = self.prob, self.Q
+        a, b = self.first[pair], self.second[pair]
+        W1, W2 = prob.W_LEM[layers, e1], prob.W_LEM[layers, e2]
+        A = prob.A_LZEM
+        self.NL[layers, a] += W2 - W1
+        self.NL[layers, b] -= W2 - W1
+        self.RC[layers, a] += (W2 - A[layers, a, e2]) - (W1 - A[layers, a, e1])
+        self.RC[layers, b] += (W1 - A[layers, b, e1]) - (W2 - A[layers, b, e2])
         src = np.arange(Q)[None, :]
-        self.SD[layers[:, None], a[:, None] * Q + src] += take(swaps.d_send_a_LCQM)
-        self.SD[layers[:, None], b[:, None] * Q + src] += take(swaps.d_send_b_LCQM)
-        x1, x2 = take(e1), take(e2)
-        g1, g2 = self.home_LE[layers, x1], self.home_LE[layers, x2]
-        self.home_LE[layers, x1], self.home_LE[layers, x2] = g2, g1
+        self.SD[layers[:, None], a[:, None] * Q + src] += self.D[layers, a, e1] - self.D[layers, a, e2]
+        self.SD[layers[:, None], b[:, None] * Q + src] += self.D[layers, b, e2] - self.D[layers, b, e1]
+        g1, g2 = self.home_LE[layers, e1], self.home_LE[layers, e2]
+        self.home_LE[layers, e1], self.home_LE[layers, e2] = g2, g1
+
+
+def _max_over_sources(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """max over the source axis (-2) of x - y, one source at a time: the full difference is never materialised."""
+    out = x[..., 0, :] - y[..., 0, :]
+    for q in range(1, x.shape[-2]):
+        np.maximum(out, x[..., q, :] - y[..., q, :], out=out)
+    return out
 
 
 def floor_objective_L(prob: ReorderProblem, home_LE: np.ndarray) -> np.ndarray:
@@ -183,22 +214,37 @@ def floor_objective_L(prob: ReorderProblem, home_LE: np.ndarray) -> np.ndarray:
     return _Descent(prob, home_LE).current(np.arange(home_LE.shape[0])) + migration_L(prob, home_LE)
 
 
-def refine_home(prob: ReorderProblem, home_LE: np.ndarray, max_rounds: int, top_k: int) -> np.ndarray:
-    """Best-improvement swap descent on F from `home_LE` (module docstring); F never rises."""
-    if prob.topo.num_nodes == 1 or max_rounds == 0 or top_k == 0:
+def screen_width(num_candidates: int, num_nodes: int, num_experts: int) -> int:
+    """k: the most experts per node and node pair whose k^2 swaps over all Z (Z - 1) / 2 node pairs fit in
+    `num_candidates` (at least 1 when num_candidates > 0), at most the E / Z experts of a node; 0 when there is
+    nothing to screen."""
+    pairs = num_nodes * (num_nodes - 1) // 2
+    if num_candidates <= 0 or pairs == 0:
+        return 0
+    return int(min(max(math.isqrt(num_candidates // pairs), 1), num_experts // num_nodes))
+
+
+def refine_home(
+    prob: ReorderProblem, home_LE: np.ndarray, max_rounds: int, num_candidates: int
+) -> np.ndarray:
+    """Best-improvement swap descent on F from `home_LE` (module docstring), pricing about `num_candidates` swaps
+    per layer and round; F never rises."""
+    top_k = screen_width(num_candidates, prob.topo.num_nodes, home_LE.shape[1])
+    if max_rounds == 0 or top_k == 0:
         return home_LE.copy()
     state = _Descent(prob, home_LE)
     act = np.arange(home_LE.shape[0])
     for _ in range(max_rounds):
-        e1, e2, pair_C = state.candidates(act, top_k)
-        swaps = state.evaluate(act, e1, e2, pair_C)
-        pick = np.argmin(swaps.delta_LC, axis=1)
-        best = swaps.delta_LC[np.arange(len(act)), pick]
+        screen = state.candidates(act, top_k)
+        delta = state.evaluate(act, screen)
+        pick = np.argmin(delta, axis=1)
+        best = delta[np.arange(len(act)), pick]
         improves = best < -1e-9 * np.maximum(np.abs(state.current(act)), 1.0)
         # A layer without an improving candidate is done: its state, hence its screened candidates, stay the same.
         sel = np.flatnonzero(improves)
         if not len(sel):
             break
-        state.apply(act, sel, pick[sel], e1, e2, pair_C, swaps)
+        picks = pick[sel]
+        state.apply(act[sel], screen.e1[sel, picks], screen.e2[sel, picks], screen.pair_C[picks])
         act = act[sel]
     return state.home_LE

@@ -11,7 +11,7 @@ import pytest
 from relibra.config import RelibraConfig
 from relibra.cost_model import NUM_ALLTOALLS, CostModel, placement_floor_us
 from relibra.plan import Topology, static_home_LE
-from relibra.planners.refine import _Descent, floor_objective_L, refine_home
+from relibra.planners.refine import _Descent, floor_objective_L, refine_home, screen_width
 from relibra.planners.reorder import ReorderWeights, reorder_problem
 from relibra.synthetic import SyntheticLoads, generate_loads
 
@@ -59,8 +59,9 @@ def test_incremental_deltas_and_updates_match_full_evaluation(G, Q):
     act = np.arange(home.shape[0])
     rng = np.random.default_rng(2)
     for _ in range(4):
-        e1, e2, pair_C = state.candidates(act, top_k=3)
-        swaps = state.evaluate(act, e1, e2, pair_C)
+        screen = state.candidates(act, top_k=3)
+        e1, e2, pair_C = screen.e1, screen.e2, screen.pair_C
+        delta = state.evaluate(act, screen)
         before = floor_objective_L(prob, state.home_LE)
         for layer in act:
             for c in range(e1.shape[1]):
@@ -68,8 +69,9 @@ def test_incremental_deltas_and_updates_match_full_evaluation(G, Q):
                 assert state.home_LE[layer, e2[layer, c]] // Q == state.second[pair_C[c]]
                 trial = _swapped(state.home_LE, layer, e1[layer, c], e2[layer, c])
                 want = floor_objective_L(prob, trial)[layer] - before[layer]
-                assert swaps.delta_LC[layer, c] == pytest.approx(want, rel=1e-9, abs=1e-6)
-        state.apply(act, act, rng.integers(0, e1.shape[1], size=len(act)), e1, e2, pair_C, swaps)
+                assert delta[layer, c] == pytest.approx(want, rel=1e-9, abs=1e-6)
+        picks = rng.integers(0, e1.shape[1], size=len(act))
+        state.apply(act, e1[act, picks], e2[act, picks], pair_C[picks])
         fresh = _Descent(prob, state.home_LE)
         for name in ("NL", "RC", "SD"):
             np.testing.assert_allclose(getattr(state, name), getattr(fresh, name), atol=1e-6)
@@ -80,7 +82,9 @@ def test_descent_with_every_swap_screened_ends_in_a_swap_local_optimum(G, Q, see
     E = 2 * G
     _loads, _topo, _prev, home, prob = _problem(G, Q, E, seed=seed, M=4, L=2)
     start = floor_objective_L(prob, home)
-    got = refine_home(prob, home, max_rounds=200, top_k=E)  # top_k >= experts per node: every swap screened
+    # E^2 candidates cover every node pair's (E / Z)^2 swaps: every swap is screened
+    assert screen_width(E * E, G // Q, E) == E // (G // Q)
+    got = refine_home(prob, home, max_rounds=200, num_candidates=E * E)
     final = floor_objective_L(prob, got)
     assert (final <= start + 1e-9).all()
     assert (final < start - 1e-9).any()  # the random start is not already optimal
@@ -98,3 +102,17 @@ def test_one_node_or_no_rounds_leave_the_placement():
     np.testing.assert_array_equal(refine_home(prob, home, 10, 4), home)
     _loads, _topo, _prev, home, prob = _problem(8, 4, 16)
     np.testing.assert_array_equal(refine_home(prob, home, 0, 4), home)
+    np.testing.assert_array_equal(refine_home(prob, home, 10, 0), home)
+
+
+@pytest.mark.parametrize(
+    "budget, Z, E, want",
+    [(128, 2, 128, 11), (128, 4, 128, 4), (256, 4, 128, 6), (1, 4, 128, 1), (10**6, 4, 128, 32), (0, 4, 128, 0),
+     (128, 1, 128, 0)],
+)  # fmt: skip
+def test_screen_width_fits_the_candidate_budget(budget, Z, E, want):
+    k = screen_width(budget, Z, E)
+    assert k == want
+    pairs = Z * (Z - 1) // 2
+    if 0 < k < E // Z and budget >= pairs:  # the widest screen within the budget
+        assert pairs * k * k <= budget < pairs * (k + 1) ** 2

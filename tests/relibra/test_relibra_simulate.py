@@ -10,8 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from relibra.loads import LoadTrace, save_loads
-from relibra.simulate import fold_sources, main
+from relibra.config import RelibraConfig
+from relibra.cost_model import CostModel, ideal_step_cost, step_cost
+from relibra.loads import LoadTrace, load_loads, save_loads
+from relibra.plan import Topology, static_home_LE
+from relibra.planners.base import home_plan
+from relibra.simulate import fold_sources, main, simulate_trace
 from relibra.synthetic import SyntheticLoads, generate_loads
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,3 +86,18 @@ def test_module_entry_point(load_file):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "MoE/ideal" in result.stdout
+
+
+def test_warm_ratio_leaves_out_the_first_step(load_file):
+    """warm_moe_vs_ideal is the steps after the first, priced independently with the cost model's step_cost."""
+    trace = load_loads(load_file)
+    topo, cost = Topology(16, 8, 32, 2), CostModel.from_yaml()
+    (row,) = simulate_trace(trace, topo, RelibraConfig(), cost, ["static"])
+    home = static_home_LE(trace.num_layers, topo)
+    loads = trace.loads_NMLSE[1]
+    want = step_cost(home_plan(loads, home, topo), loads, trace.topk, topo, cost, home).moe_us
+    want /= ideal_step_cost(loads, trace.topk, topo, cost).moe_us
+    assert row.warm_moe_vs_ideal == pytest.approx(want, rel=1e-12)
+    first = LoadTrace(trace.loads_NMLSE[:1], trace.topk)
+    (one,) = simulate_trace(first, topo, RelibraConfig(), cost, ["static"])
+    assert np.isnan(one.warm_moe_vs_ideal)
