@@ -8,11 +8,12 @@ per GPU over all (step, micro-batch, layer)), cross-node bytes per step, migrati
 time per step, the MoE time broken into compute / all-to-all / replication / migration, and the floor of the plan's
 placements relative to ideal (`relibra.cost_model.placement_floor_us`: what no in-node replicas on those placements
 can beat, migration excluded; so MoE/ideal splits into what the placement costs and what the replicas leave on
-top; empty for EPLB-style plans, whose copies persist and may cross nodes). The same goes to
-`--json`. Every plan is checked by `relibra.validate` (unless --no-validate); the planner's wall time excludes that
-check and the cost evaluation. `--dump-plans DIR` writes DIR/<plan>.npz with `home` int [N, L, E] and `served`
-int [N, M, L, G, E] (pairs of expert e computed on GPU g) so a plan can be checked without the simulator; the
-ideal plan has no placement and is not dumped.
+top; empty for EPLB-style plans, whose copies persist and may cross nodes). The same goes to `--json`, whose rows
+also carry `warm_moe_vs_ideal`: MoE time / ideal over the steps after the first. Every plan is checked by
+`relibra.validate` (unless --no-validate); the planner's wall time excludes that check and the cost evaluation.
+`--dump-plans DIR` writes DIR/<plan>.npz with `home` int [N, L, E] and `served` int [N, M, L, G, E] (pairs of expert
+e computed on GPU g) so a plan can be checked without the simulator; the ideal plan has no placement and is not
+dumped.
 
 A load file whose source ranks are a multiple of --ep is folded (source s counts as EP rank s % ep: data
 parallelism wider than EP); any other mismatch is an error. Steps are planned in order, each planner carrying its
