@@ -110,8 +110,8 @@ class AlgoConfig:
     warm_start_steps: int = spec(
         0, ge=0, help="supervised warm start of the policy on the task's demonstrations"
     )
-    mini_batches: int = spec(1, ge=1, help="PPO mini-batches per step")
-    epochs: int = spec(1, ge=1)
+    mini_batches: int = spec(1, ge=1, help="PPO mini-batches per step (only 1 is supported)")
+    epochs: int = spec(1, ge=1, help="PPO epochs per step (only 1 is supported)")
     actor_optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
     critic_optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-6))
 
@@ -332,6 +332,12 @@ def _algo_rules(c: ExperimentConfig) -> str | None:
         )
     if a.overlong_buffer >= a.max_response_length:
         return f"algo.overlong_buffer={a.overlong_buffer} must be below algo.max_response_length"
+    for name in ("mini_batches", "epochs"):
+        if getattr(a, name) != 1:
+            return (
+                f"algo.{name}={getattr(a, name)} is not supported: the policy and the critic take one optimizer "
+                "step per training step over the whole batch (the spec's reference runs: one mini-batch, 1 epoch)"
+            )
     return None
 
 

@@ -30,9 +30,11 @@ from tppo.step import (
     advantages,
     fill_old_logprobs,
     fill_ref_logprobs,
+    recompute_old_values,
     request_seed,
     rollout_metrics,
     score_finished,
+    shape_rewards,
     window_values,
 )
 
@@ -88,6 +90,7 @@ def rl_step(
         with timer("offload"):
             roles.rollout.call("sleep")
     metrics |= score_finished(batch, verifier, cfg.data.reward_timeout_s)
+    metrics |= shape_rewards(batch, cfg.algo)
     with timer("values"):
         critic_in = roles.critic.critic_batches(batch)
         values = _rows(
@@ -96,6 +99,8 @@ def rl_step(
         win_values = window_values(batch, values)
     for s, v in zip(batch, win_values):
         s.store_values(v)
+    if cfg.algo.critic_old_values == "recompute":
+        recompute_old_values(batch, values)
     adv, adv_metrics = advantages(batch, win_values, cfg.algo)
     metrics |= adv_metrics
     policy_in = roles.policy.policy_batches(batch, adv)

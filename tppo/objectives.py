@@ -20,10 +20,17 @@ from tppo.losses import clipped_value_loss, entropy_bonus, kl_loss, pos_lm_loss,
 @dataclass(frozen=True)
 class PolicyObjective:
     """PPO clip (clip-higher, dual clip, optional TIS) + positive-example LM loss - entropy bonus + KL to the
-    reference policy."""
+    reference policy.
+
+    `loss_agg` reduces the clip, entropy and KL terms: "token_mean" over all current-window tokens of the batch (the
+    spec's default), or "sample_mean" (each sample's window token mean, then the mean over the batch's samples);
+    the positive-example LM loss is always VAPO's token mean.
+    """
 
     num_window_tokens: int  # all current-window tokens of the training batch
     num_positive_tokens: int  # all response tokens of positive finished responses in the batch
+    num_window_samples: int = 0  # samples of the batch with current-window tokens (for sample_mean)
+    loss_agg: str = "token_mean"
     eps_low: float = 0.2
     eps_high: float = 0.28
     dual_clip: float = 10.0
@@ -31,11 +38,18 @@ class PolicyObjective:
     tis_cap: float = 0.0
     pos_lm_coef: float = 0.0
     entropy_coef: float = 0.0
-    kl_coef: float = 0.0  # + kl_coef * KL(pi || pi_ref) (k3) on the window's tokens
+    kl_coef: float = 0.0  # + kl_coef * KL(pi || pi_ref) on the window's tokens
+    kl_estimator: str = "k3"
+
+    def _count(self) -> int:
+        """The batch-level count that `loss_agg` divides by: window tokens or window samples."""
+        return max(self.num_window_samples if self.loss_agg == "sample_mean" else self.num_window_tokens, 1)
 
     def __call__(self, out: ForwardOutput, batch: TrainBatch) -> LossOutput:
         t: PolicyTargets = batch.payload
         mask = t.window_mask_BT
+        count = self._count()
+        agg = {"agg": self.loss_agg, "num_tokens": count, "num_samples": count}
         pg = ppo_clip_loss(
             out.logprobs_BT,
             t.old_logprobs_BT,
@@ -47,8 +61,7 @@ class PolicyObjective:
             log_ratio_clamp=self.log_ratio_clamp,
             rollout_logprobs=t.rollout_logprobs_BT if self.tis_cap else None,
             tis_cap=self.tis_cap,
-            agg="token_mean",
-            num_tokens=max(self.num_window_tokens, 1),
+            **agg,
         )
         total, metrics = pg.loss, dict(pg.metrics)
         if self.pos_lm_coef and self.num_positive_tokens:
@@ -62,25 +75,18 @@ class PolicyObjective:
             total = total + self.pos_lm_coef * lm.loss
             metrics.update(lm.metrics)
         if self.entropy_coef and out.entropy_BT is not None:
-            ent = entropy_bonus(
-                out.entropy_BT, mask, agg="token_mean", num_tokens=max(self.num_window_tokens, 1)
-            )
+            ent = entropy_bonus(out.entropy_BT, mask, **agg)
             total = total - self.entropy_coef * ent.loss
             metrics.update(ent.metrics)
         if self.kl_coef:
             if t.ref_logprobs_BT is None:
                 raise ValueError("kl_coef > 0 but the batch carries no reference log-probs (ref_logprobs_BT)")
-            kl = kl_loss(
-                out.logprobs_BT,
-                t.ref_logprobs_BT,
-                mask,
-                agg="token_mean",
-                num_tokens=max(self.num_window_tokens, 1),
-            )
+            kl = kl_loss(out.logprobs_BT, t.ref_logprobs_BT, mask, estimator=self.kl_estimator, **agg)
             total = total + self.kl_coef * kl.loss
             metrics.update(kl.metrics)
-        local = int(mask.sum())
-        return LossOutput(loss_sum=total * max(self.num_window_tokens, 1), denominator=local, metrics=metrics)
+        rows = mask.sum(dim=1) > 0
+        local = int(rows.sum()) if self.loss_agg == "sample_mean" else int(mask.sum())
+        return LossOutput(loss_sum=total * count, denominator=local, metrics=metrics)
 
 
 @dataclass(frozen=True)
@@ -138,10 +144,15 @@ def live_rows(batches: list[list[TrainBatch]]) -> int:
     return sum(int((b.payload.mask_BT.sum(dim=1) > 0).sum()) for rank in batches for b in rank)
 
 
+def window_rows(batches: list[list[TrainBatch]]) -> int:
+    return sum(int((b.payload.window_mask_BT.sum(dim=1) > 0).sum()) for rank in batches for b in rank)
+
+
 __all__ = [
     "PolicyObjective",
     "SupervisedObjective",
     "ValueObjective",
     "live_rows",
     "positive_tokens",
+    "window_rows",
 ]

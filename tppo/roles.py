@@ -21,7 +21,14 @@ from tppo.batching import Placement, critic_batch, place, policy_batch, split_fo
 from tppo.config import ExperimentConfig, ParallelConfig
 from tppo.engine.batch import StepResult, TrainBatch
 from tppo.engine.parallel import free_port
-from tppo.objectives import PolicyObjective, SupervisedObjective, ValueObjective, live_rows, positive_tokens
+from tppo.objectives import (
+    PolicyObjective,
+    SupervisedObjective,
+    ValueObjective,
+    live_rows,
+    positive_tokens,
+    window_rows,
+)
 from tppo.placement import Reservation
 from tppo.pool import Sample
 from tppo.workers import RankSpec, RelibraSlots, TrainerWorker
@@ -171,6 +178,8 @@ def policy_objective(cfg: ExperimentConfig, batches: list[list[TrainBatch]]) -> 
     return PolicyObjective(
         num_window_tokens=sum(int(b.payload.window_mask_BT.sum()) for rank in batches for b in rank),
         num_positive_tokens=positive_tokens(batches),
+        num_window_samples=window_rows(batches),
+        loss_agg=a.loss_agg,
         eps_low=a.eps_low,
         eps_high=a.eps_high,
         dual_clip=a.dual_clip,
@@ -179,6 +188,7 @@ def policy_objective(cfg: ExperimentConfig, batches: list[list[TrainBatch]]) -> 
         pos_lm_coef=a.pos_lm_coef,
         entropy_coef=a.entropy_coef,
         kl_coef=a.kl_coef,
+        kl_estimator=a.kl_estimator,
     )
 
 

@@ -22,6 +22,7 @@ from tppo.advantages import (
     AdvantageInputs,
     expected_lengths,
     length_adaptive_lambda,
+    overlong_penalty,
     postprocess_advantages,
 )
 from tppo.config import AlgoConfig
@@ -84,6 +85,29 @@ def score_finished(
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     return {"rollout/reward_failures": float(failures), "rollout/reward_timeouts": float(timeouts)}
+
+
+def shape_rewards(batch: Sequence[Sample], algo: AlgoConfig) -> dict[str, float]:
+    """DAPO's overlong shaping (algo.overlong_buffer = L_cache > 0): every sample that finished this step gets
+    `overlong_penalty(|y|, L_max, L_cache)` added to its verifier reward, so the advantages, the critic's targets
+    and the reward metrics all see the shaped reward; rollout/overlong_penalty_mean is the mean penalty."""
+    finished = [s for s in batch if s.finished and s.reward is not None]
+    if not algo.overlong_buffer or not finished:
+        return {}
+    lengths = torch.tensor([s.num_response_tokens for s in finished])
+    penalty = overlong_penalty(lengths, algo.max_response_length, algo.overlong_buffer)
+    for s, p in zip(finished, penalty.tolist()):
+        s.reward = float(s.reward) + p
+    return {"rollout/overlong_penalty_mean": float(penalty.mean())}
+
+
+def recompute_old_values(batch: Sequence[Sample], values_rows: Sequence[np.ndarray]) -> None:
+    """algo.critic_old_values=recompute: the finished samples' old values (the value-clipping anchor) become the
+    pre-update critic's values of this step over every response token, instead of those stored window by window."""
+    for s, v in zip(batch, values_rows):
+        if s.finished:
+            p = len(s.prompt_ids)
+            s.values = np.asarray(v[p : p + s.num_response_tokens], dtype=np.float32).copy()
 
 
 def _window_tensor(rows: Sequence[np.ndarray], width: int) -> torch.Tensor:

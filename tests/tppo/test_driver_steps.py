@@ -13,7 +13,14 @@ from tppo.advantages import egae, length_adaptive_lambda, postprocess_advantages
 from tppo.batching import critic_batch, place, policy_batch, split_for_ranks
 from tppo.config import AlgoConfig
 from tppo.pool import Sample
-from tppo.step import advantages, request_seed, score_finished, window_values
+from tppo.step import (
+    advantages,
+    recompute_old_values,
+    request_seed,
+    score_finished,
+    shape_rewards,
+    window_values,
+)
 
 
 def _sample(uid, prompt, earlier, window, finished=False, reward=None, layers=2, k=2):
@@ -141,3 +148,31 @@ def test_countdown_verifier():
         assert -1.0 <= synthetic.score(p, response) <= 1.0
     with pytest.raises(ValueError, match="not a countdown prompt"):
         synthetic.score([1, 2], [3])
+
+
+def test_overlong_shaping_adds_dapos_penalty_to_finished_rewards():
+    """DAPO's piecewise penalty, written out: 0 up to L_max - L_cache, then linear down to -1 at L_max."""
+    algo = AlgoConfig(window=8, max_response_length=64, overlong_buffer=16)
+    lengths = [10, 48, 56, 64]
+    batch = [_sample(f"s{n}", [1], [], list(range(2, 2 + n)), finished=True, reward=1.0) for n in lengths]
+    open_ = _sample("open", [1], [], [2, 3])  # unfinished: no reward yet, nothing to shape
+    metrics = shape_rewards([*batch, open_], algo)
+    want = [0.0, 0.0, -0.5, -1.0]
+    assert [s.reward for s in batch] == pytest.approx([1.0 + w for w in want])
+    assert open_.reward is None
+    assert metrics["rollout/overlong_penalty_mean"] == pytest.approx(np.mean(want))
+    untouched = _sample("u", [1], [], list(range(2, 66)), finished=True, reward=1.0)
+    assert shape_rewards([untouched], AlgoConfig(window=8, max_response_length=64)) == {}
+    assert untouched.reward == 1.0
+
+
+def test_recomputed_old_values_cover_every_response_token_of_finished_samples():
+    done = _sample("d", [1, 2], [5, 6, 7], [8], finished=True, reward=1.0)
+    open_ = _sample("o", [1, 2], [], [3, 4])
+    done.values = np.zeros(4, np.float32)  # stored window by window
+    rows = [np.arange(6, dtype=np.float32) * 0.5, np.arange(4, dtype=np.float32)]
+    recompute_old_values([done, open_], rows)
+    np.testing.assert_array_equal(done.values, rows[0][2:6])
+    assert open_.values is None  # still in flight: its stored values stay
+    batch = critic_batch([done], [False], routing=False)
+    np.testing.assert_array_equal(batch.payload.old_values_BT[0, 2:6].numpy(), rows[0][2:6])

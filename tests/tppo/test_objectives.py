@@ -1,4 +1,5 @@
-"""The policy objective's KL term against its closed form (k3 = exp(-x) - 1 + x, x = logp - logp_ref)."""
+"""The policy objective against closed forms: its KL term (k3 = exp(-x) - 1 + x, k1 = x, x = logp - logp_ref) and
+its token- or sample-mean aggregation over the micro-batches of a step."""
 
 from __future__ import annotations
 
@@ -45,3 +46,43 @@ def test_kl_without_reference_logprobs_is_an_error():
         PolicyObjective(num_window_tokens=2, num_positive_tokens=0, kl_coef=0.1)(
             ForwardOutput(logprobs_BT=logprobs), batch
         )
+
+
+def test_kl_term_follows_the_configured_estimator():
+    g = torch.Generator().manual_seed(1)
+    logprobs, ref = -torch.rand(2, 4, generator=g) * 3, -torch.rand(2, 4, generator=g) * 3
+    mask = torch.ones(2, 4)
+    objective = PolicyObjective(num_window_tokens=8, num_positive_tokens=0, kl_coef=1.0, kl_estimator="k1")
+    out = objective(ForwardOutput(logprobs_BT=logprobs), _batch(logprobs, ref, mask))
+    assert float(out.loss_sum / out.denominator) == pytest.approx(float((logprobs - ref).mean()), rel=1e-5)
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "sample_mean"])
+def test_policy_gradient_aggregation_over_micro_batches_matches_the_whole_batch(loss_agg):
+    """At ratio 1 the clipped loss of a token is -A: the step's loss, summed over micro-batches as the engine does
+    (sum loss_sum / sum denominator), is the token mean or the per-sample mean of -A over the whole batch."""
+    g = torch.Generator().manual_seed(2)
+    adv = torch.randn(5, 6, generator=g)
+    mask = (torch.rand(5, 6, generator=g) > 0.4).float()
+    mask[4] = 0.0  # a row without window tokens (a filler) counts in neither mean
+    mask[0, 0] = 1.0
+    logprobs = -torch.rand(5, 6, generator=g)
+    rows = mask.sum(dim=1) > 0
+    objective = PolicyObjective(
+        num_window_tokens=int(mask.sum()),
+        num_positive_tokens=0,
+        num_window_samples=int(rows.sum()),
+        loss_agg=loss_agg,
+    )
+    total, denominator = 0.0, 0
+    for part in (slice(0, 2), slice(2, 5)):  # two micro-batches
+        batch = _batch(logprobs[part], logprobs[part], mask[part])
+        batch.payload.advantages_BT = adv[part]
+        out = objective(ForwardOutput(logprobs_BT=logprobs[part]), batch)
+        total, denominator = total + float(out.loss_sum), denominator + out.denominator
+    per_token = -adv * mask
+    if loss_agg == "token_mean":
+        want = float(per_token.sum() / mask.sum())
+    else:
+        want = float((per_token.sum(dim=1)[rows] / mask.sum(dim=1)[rows]).mean())
+    assert total / denominator == pytest.approx(want, rel=1e-5)
