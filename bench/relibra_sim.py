@@ -1,6 +1,7 @@
 """ReLibra simulator benchmark: the issue's Targets table on the real Qwen3-30B-A3B routing and on the generator.
 
-    python bench/relibra_sim.py [--json bench/out/relibra_sim.json] [--gen-steps 3] [--tokens-per-rank 4096] [--seed 0]
+    python bench/relibra_sim.py [--json bench/out/relibra_sim.json] [--gen-steps 3] [--tokens-per-rank 4096]
+        [--seed 0]
 
 For each dataset (real routing logs cut into 256-token micro-batches; synthetic RL-like loads with 32 micro-batches
 of `--tokens-per-rank` tokens per source rank, 48 layers, 128 experts) at EP 16 and 32, 8 GPUs per node and 2
@@ -86,13 +87,14 @@ def _run(label: str, trace: LoadTrace, ep: int, cfg: RelibraConfig, cost: CostMo
     targets["lower_bound_vs_ideal"] = bound / by_name["ideal"]["moe_us"]
     met = ", ".join(f"{k}={'yes' if v else 'NO'}" for k, v in targets["met"].items())
     print(
-        f"relibra/ideal {targets['relibra_vs_ideal']:.3f} (warm {targets['warm_relibra_vs_ideal']:.3f}), vs eplb_oracle {targets['speedup_vs_eplb_oracle']:.2f}x, "
-        f"vs static {targets['speedup_vs_static']:.2f}x, mean skew {targets['relibra_mean_skew']:.3f} -> {met}"
+        f"relibra/ideal {targets['relibra_vs_ideal']:.3f} (warm {targets['warm_relibra_vs_ideal']:.3f}), "
+        f"vs eplb_oracle {targets['speedup_vs_eplb_oracle']:.2f}x, vs static {targets['speedup_vs_static']:.2f}x, mean skew {targets['relibra_mean_skew']:.3f} -> {met}"
     )
     t = targets["thorough"]
     print(
         f"{THOROUGH_NAME} (planning {by_name[THOROUGH_NAME]['planner_s_per_step']:.1f} s per step): relibra/ideal "
-        f"{t['relibra_vs_ideal']:.3f} (warm {t['warm_relibra_vs_ideal']:.3f}), vs eplb_oracle {t['speedup_vs_eplb_oracle']:.2f}x, vs static "
+        f"{t['relibra_vs_ideal']:.3f} (warm {t['warm_relibra_vs_ideal']:.3f}), "
+        f"vs eplb_oracle {t['speedup_vs_eplb_oracle']:.2f}x, vs static "
         f"{t['speedup_vs_static']:.2f}x, mean skew {t['relibra_mean_skew']:.3f}"
     )
     print(

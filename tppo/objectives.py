@@ -140,12 +140,9 @@ def positive_tokens(batches: list[list[TrainBatch]]) -> int:
     return total
 
 
-def live_rows(batches: list[list[TrainBatch]]) -> int:
-    return sum(int((b.payload.mask_BT.sum(dim=1) > 0).sum()) for rank in batches for b in rank)
-
-
-def window_rows(batches: list[list[TrainBatch]]) -> int:
-    return sum(int((b.payload.window_mask_BT.sum(dim=1) > 0).sum()) for rank in batches for b in rank)
+def live_rows(batches: list[list[TrainBatch]], mask: str = "mask_BT") -> int:
+    """Rows of the whole batch with at least one token in the payload's `mask` (fillers have none)."""
+    return sum(int((getattr(b.payload, mask).sum(dim=1) > 0).sum()) for rank in batches for b in rank)
 
 
 __all__ = [
@@ -154,5 +151,4 @@ __all__ = [
     "ValueObjective",
     "live_rows",
     "positive_tokens",
-    "window_rows",
 ]

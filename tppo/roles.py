@@ -27,7 +27,6 @@ from tppo.objectives import (
     ValueObjective,
     live_rows,
     positive_tokens,
-    window_rows,
 )
 from tppo.placement import Reservation
 from tppo.pool import Sample
@@ -178,7 +177,7 @@ def policy_objective(cfg: ExperimentConfig, batches: list[list[TrainBatch]]) -> 
     return PolicyObjective(
         num_window_tokens=sum(int(b.payload.window_mask_BT.sum()) for rank in batches for b in rank),
         num_positive_tokens=positive_tokens(batches),
-        num_window_samples=window_rows(batches),
+        num_window_samples=live_rows(batches, "window_mask_BT"),
         loss_agg=a.loss_agg,
         eps_low=a.eps_low,
         eps_high=a.eps_high,

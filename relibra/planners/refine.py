@@ -166,8 +166,8 @@ class _Descent:
         at = lambda X, z: X[n_rows, z][:, :, None, None]  # noqa: E731  node rows [n, P, 1, 1, ...]
         NL, RC = self.NL[act], self.RC[act]
         SD = self.SD[act].reshape(n, self.Z, Q, self.M)
-        send_a = at(SD, self.first)[:, :, 0] + self.D[rows, a, ea]  # [n, P, k, Q, M] before e2 arrives
-        send_b = at(SD, self.second)[:, :, 0] + self.D[rows, b, eb]
+        send_a = SD[n_rows, self.first][:, :, None] + self.D[rows, a, ea]  # [n, P, k, Q, M] before e2 arrives
+        send_b = SD[n_rows, self.second][:, :, None] + self.D[rows, b, eb]
         new_send_a = _max_over_sources(send_a[:, :, :, None], self.D[rows, a, eb][:, :, None])
         new_send_b = _max_over_sources(send_b[:, :, None], self.D[rows, b, ea][:, :, :, None])
         new = self.per_micro_batch(
