@@ -13,7 +13,8 @@ hierarchical and global policies) and >= 1.3x faster than static on the MoE part
 over every step and, as `warm`, over the steps after the first (which starts from Megatron's static placement and
 pays a one-time migration out of it); and it times
 the relibra planner on one step of 32 micro-batches x 48 layers x 128 experts at EP 32 (wall and CPU seconds,
-1 and 2 threads, with the machine's load average). Prints tables; writes everything to --json.
+1 and 2 threads, with the machine's load average), cold (from a fresh state, Megatron's static placement) and warm
+(from the previous step's state, as in training). Prints tables; writes everything to --json.
 """
 
 from __future__ import annotations
@@ -111,21 +112,33 @@ def _run(label: str, trace: LoadTrace, ep: int, cfg: RelibraConfig, cost: CostMo
 
 
 def _planning_time(trace: LoadTrace, cost: CostModel, repeats: int) -> list[dict]:
+    """Wall and CPU seconds of planning one step, cold (from Megatron's static placement, a fresh state) and warm
+    (from the state the previous step of the trace left: a training run's usual case), 1 and 2 threads."""
     topo = Topology(32, 8, trace.num_experts, 2)
     out = []
     for threads in (1, 2):
         ctx = PlanContext(topo, RelibraConfig(planner_threads=threads), cost, trace.topk)
-        wall, cpu = [], []
-        for r in range(repeats):
-            loads = trace.loads_NMLSE[r % trace.num_steps]
-            w0, c0 = time.perf_counter(), time.process_time()
-            run_planner("relibra", loads, ctx, PlannerState())
-            wall.append(time.perf_counter() - w0)
-            cpu.append(time.process_time() - c0)
-        out.append({
-            "threads": threads, "wall_s_median": float(np.median(wall)), "wall_s_min": float(np.min(wall)),
-            "cpu_s_median": float(np.median(cpu)), "load_average_1min": os.getloadavg()[0],
-        })  # fmt: skip
+        states = [PlannerState()]
+        for n in range(trace.num_steps - 1):
+            states.append(run_planner("relibra", trace.loads_NMLSE[n], ctx, states[-1])[1])
+        row: dict = {"threads": threads}
+        for kind, steps in (
+            ("cold", [0] * repeats),
+            ("warm", [1 + r % (trace.num_steps - 1) for r in range(repeats)]),
+        ):
+            wall, cpu = [], []
+            for n in steps:
+                state = states[n] if kind == "warm" else PlannerState()
+                w0, c0 = time.perf_counter(), time.process_time()
+                run_planner("relibra", trace.loads_NMLSE[n], ctx, state)
+                wall.append(time.perf_counter() - w0)
+                cpu.append(time.process_time() - c0)
+            row |= {
+                f"{kind}_wall_s_median": float(np.median(wall)), f"{kind}_wall_s_min": float(np.min(wall)),
+                f"{kind}_cpu_s_median": float(np.median(cpu)),
+            }  # fmt: skip
+        row["load_average_1min"] = os.getloadavg()[0]
+        out.append(row)
     return out
 
 
@@ -134,7 +147,7 @@ def main() -> None:
     p.add_argument("--json", default=str(ROOT / "bench" / "out" / "relibra_sim.json"))
     p.add_argument("--gen-steps", type=int, default=3)
     p.add_argument("--tokens-per-rank", type=int, default=4096)
-    p.add_argument("--timing-repeats", type=int, default=5)
+    p.add_argument("--timing-repeats", type=int, default=6)
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic loads")
     args = p.parse_args()
     cost = CostModel.from_yaml()
@@ -172,8 +185,13 @@ def main() -> None:
     )
     for t in timing:
         print(
-            f"threads {t['threads']}: wall median {t['wall_s_median']:.3f} s (min {t['wall_s_min']:.3f}), "
-            f"CPU {t['cpu_s_median']:.3f} s, load average {t['load_average_1min']:.2f}"
+            f"threads {t['threads']}: "
+            + ", ".join(
+                f"{k} wall median {t[f'{k}_wall_s_median']:.3f} s (min {t[f'{k}_wall_s_min']:.3f}, "
+                f"CPU {t[f'{k}_cpu_s_median']:.3f} s)"
+                for k in ("cold", "warm")
+            )
+            + f", load average {t['load_average_1min']:.2f}"
         )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2))

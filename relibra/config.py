@@ -17,6 +17,11 @@ class RelibraConfig:
         8, ge=1, help="EP ranks per node (an EP group smaller than this sits in one node)"
     )
     replica_slots: int = spec(2, ge=0, help="R: spare expert slots per EP rank")
+    state_buffer_mb: int = spec(
+        1024,
+        ge=1,
+        help="receive buffers per rank of the optimizer state that a reorder moves during the step (MiB)",
+    )
     min_replica_tokens: int = spec(256, ge=0, help="no replica below this many (token, expert) pairs")
     imbalance_tolerance: float = spec(0.005, ge=0, help="eps of the replication greedy")
     anneal_iters: int = spec(2000, ge=0, help="simulated-annealing swaps tried per layer and step")
@@ -36,7 +41,9 @@ class RelibraConfig:
     reorder_node_weight: float = spec(1.0, ge=0, help="alpha: smoothed max node load / gpus per node")
     reorder_gpu_weight: float = spec(0.25, ge=0, help="alpha': smoothed max GPU load")
     reorder_comm_weight: float = spec(1.0, ge=0, help="beta: smoothed max cross-node dispatch time")
-    reorder_migration_weight: float = spec(1.0, ge=0, help="gamma: time to migrate moved experts' state")
+    reorder_migration_weight: float = spec(
+        1.0, ge=0, help="gamma: the time a step waits for the migration of moved experts"
+    )
     refine_rounds: int = spec(
         64, ge=0, help="rounds of the exact swap descent on the placement floor after annealing (0: off)"
     )

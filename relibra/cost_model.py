@@ -10,9 +10,12 @@ Per (micro-batch m, layer l), everything in microseconds:
 - replication(m, l) (per-(m, l) replicas): forward max_g max(0, push_g / B_nvl - attn_g), backward
   max_g max(0, (push_g + grads_g) / B_nvl - f_bwd attn_g), where push_g / grads_g are the bf16 weights / fp32
   gradients GPU g receives or sends (the larger), attn_g its attention time (the window that hides them).
-- Step time = sum over (m, l) of [compute + all-to-all + replication] + non-MoE + migration, where migration
-  moves ~14 bytes per parameter of every expert whose owner changed (split over optimizer shards) and
-  non-MoE = sum over (m, l) of (1 + f_bwd) max_s attn_s.
+- Step time = sum over (m, l) of [compute + all-to-all + replication] + non-MoE + migration, where
+  non-MoE = sum over (m, l) of (1 + f_bwd) max_s attn_s and migration is the exposed part of moving every
+  expert whose owner changed: its bf16 weights (2 bytes per parameter) before the step, and its optimizer state
+  (12: fp32 master + 2 Adam moments, split over optimizer shards) either before the step too
+  (`overlap_optimizer_state: false`, the paper's accounting) or behind the step's expert compute, as
+  relibra.executor does it:  migration = T(weights) + max(0, T(state) - compute),  T = one batch of transfers.
 
 Departures (ours): EPLB-style plans (persistent copies) pay once per step to push weights to every copy and
 reduce its gradients to the owner, counted as exposed; a transfer batch adds `transfer_latency_us` once. The ideal
@@ -71,11 +74,15 @@ class CostModel:
     grad_bytes_per_param: int = 4
     optimizer_bytes_per_param: int = 14
     optimizer_shards: int = 1
+    overlap_optimizer_state: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+            if f.type == "bool":
+                if not isinstance(value, bool):
+                    raise ValueError(f"CostModel.{f.name} must be true or false, got {value!r}")
+            elif not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"CostModel.{f.name} must be a non-negative number, got {value!r}")
         for name in ("gemm_tile", "nvlink_gb_per_s", "nic_gb_per_s", "optimizer_shards", "hidden_size"):
             if getattr(self, name) <= 0:
@@ -148,8 +155,18 @@ class CostModel:
     def nic_us(self, num_bytes: np.ndarray) -> np.ndarray:
         return np.asarray(num_bytes) / (self.nic_gb_per_s * 1e3)
 
-    def migration_bytes_per_expert(self) -> float:
-        return self.expert_params * self.optimizer_bytes_per_param / self.optimizer_shards
+    def migration_bytes_per_expert(self) -> tuple[float, float]:
+        """(weights, optimizer state) bytes one GPU sends to move one expert: the bf16 weights whole, the rest of
+        `optimizer_bytes_per_param` (fp32 master and moments) split over the distributed optimizer's shards."""
+        weights = self.expert_params * self.weight_bytes_per_param
+        state = self.expert_params * (self.optimizer_bytes_per_param - self.weight_bytes_per_param)
+        return float(weights), state / self.optimizer_shards
+
+    def exposed_migration_bytes_per_expert(self) -> float:
+        """Bytes of a moved expert the step waits for: the weights if the optimizer state travels during the
+        step, else both."""
+        weights, state = self.migration_bytes_per_expert()
+        return weights if self.overlap_optimizer_state else weights + state
 
 
 @dataclass(frozen=True)
@@ -158,7 +175,8 @@ class StepCost:
 
     skew_ML: max/mean pairs per GPU for every (m, l) (NaN where the micro-batch routes nothing).
     cross_node_bytes: dispatch/combine bytes that cross a node boundary (all four all-to-alls).
-    migration_bytes: bytes of optimizer state moved because owners changed.
+    migration_bytes: bytes moved (weights and optimizer state) because owners changed; migration_us counts the
+    part of their transfer the step waits for.
     """
 
     compute_us: float
@@ -269,10 +287,17 @@ def _transfer_us(src_X: np.ndarray, dst_X: np.ndarray, bytes_X: np.ndarray, topo
     return time, float(nbytes[cross].sum())
 
 
-def _migration(prev_home_LE: np.ndarray, home_LE: np.ndarray, topo: Topology, cost: CostModel):
-    per_expert = cost.migration_bytes_per_expert()
+def _migration(
+    prev_home_LE: np.ndarray, home_LE: np.ndarray, topo: Topology, cost: CostModel, compute_us: float
+):
+    """(exposed time, bytes) of moving experts from prev_home_LE to home_LE: module docstring."""
+    weights, state = cost.migration_bytes_per_expert()
     src, dst = prev_home_LE.reshape(-1), home_LE.reshape(-1)
-    return _transfer_us(src, dst, np.full(len(src), per_expert), topo, cost)
+    if not cost.overlap_optimizer_state:
+        return _transfer_us(src, dst, np.full(len(src), weights + state), topo, cost)
+    t_weights, b_weights = _transfer_us(src, dst, np.full(len(src), weights), topo, cost)
+    t_state, b_state = _transfer_us(src, dst, np.full(len(src), state), topo, cost)
+    return t_weights + max(0.0, t_state - compute_us), b_weights + b_state
 
 
 def step_cost(
@@ -287,7 +312,7 @@ def step_cost(
         replication = _persistent_replication_us(plan, topo, cost)
     else:
         replication = _transient_replication_us(plan, attn_MG, cost)
-    migration, migration_bytes = _migration(prev_home_LE, plan.home_LE, topo, cost)
+    migration, migration_bytes = _migration(prev_home_LE, plan.home_LE, topo, cost, compute)
     return StepCost(
         compute_us=compute,
         alltoall_us=alltoall,

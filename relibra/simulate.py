@@ -5,7 +5,8 @@
 
 For each plan it prints one row: simulated MoE time relative to the ideal plan, mean and max skew (max/mean pairs
 per GPU over all (step, micro-batch, layer)), cross-node bytes per step, migration bytes per step, planner wall
-time per step, the MoE time broken into compute / all-to-all / replication / migration, and the floor of the plan's
+time per step, the MoE time broken into compute / all-to-all / replication / migration (the part of it the step
+waits for: the cost model's `overlap_optimizer_state`), and the floor of the plan's
 placements relative to ideal (`relibra.cost_model.placement_floor_us`: what no in-node replicas on those placements
 can beat, migration excluded; so MoE/ideal splits into what the placement costs and what the replicas leave on
 top; empty for EPLB-style plans, whose copies persist and may cross nodes). The same goes to `--json`, whose rows

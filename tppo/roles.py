@@ -30,7 +30,7 @@ from tppo.objectives import (
 )
 from tppo.placement import Reservation
 from tppo.pool import Sample
-from tppo.workers import RankSpec, RelibraSlots, TrainerWorker
+from tppo.workers import ExecutorSpec, RankSpec, TrainerWorker
 
 CALL_TIMEOUT_S = 1800.0
 
@@ -99,7 +99,7 @@ def start_trainers(
             optim,
             total_steps,
             cfg.run.seed + (1 if role == "critic" else 0),
-            relibra_slots(cfg) if role == "policy" else None,
+            executor_spec(cfg) if role == "policy" else None,
         )
         if remote:
             import ray
@@ -113,11 +113,15 @@ def start_trainers(
     return group
 
 
-def relibra_slots(cfg: ExperimentConfig) -> RelibraSlots | None:
+def executor_spec(cfg: ExperimentConfig) -> ExecutorSpec | None:
     """The policy applies ReLibra plans when they exist: the planner runs and the update replays routing."""
     if not relibra_applies(cfg):
         return None
-    return RelibraSlots(replica_slots=cfg.relibra.replica_slots, gpus_per_node=cfg.relibra.gpus_per_node)
+    return ExecutorSpec(
+        replica_slots=cfg.relibra.replica_slots,
+        gpus_per_node=cfg.relibra.gpus_per_node,
+        state_buffer_mb=cfg.relibra.state_buffer_mb,
+    )
 
 
 def relibra_applies(cfg: ExperimentConfig) -> bool:

@@ -40,11 +40,13 @@ class RankSpec:
 
 
 @dataclass(frozen=True)
-class RelibraSlots:
-    """The policy ranks' ReLibra executor: replica slots per rank and the node size (replicas stay inside)."""
+class ExecutorSpec:
+    """The policy ranks' ReLibra executor: replica slots per rank, the node size (replicas stay inside) and the
+    receive buffers of a migration's optimizer state."""
 
     replica_slots: int
     gpus_per_node: int
+    state_buffer_mb: int
 
 
 class TrainerWorker:
@@ -58,7 +60,7 @@ class TrainerWorker:
         optim: OptimConfig,
         total_steps: int | None,
         seed: int,
-        relibra: RelibraSlots | None = None,
+        relibra: ExecutorSpec | None = None,
     ) -> None:
         os.environ.update(
             RANK=str(spec.rank),
@@ -87,7 +89,10 @@ class TrainerWorker:
             from relibra.executor.executor import ExpertExecutor
 
             self.executor = ExpertExecutor(
-                self.engine, num_replica_slots=relibra.replica_slots, gpus_per_node=relibra.gpus_per_node
+                self.engine,
+                num_replica_slots=relibra.replica_slots,
+                gpus_per_node=relibra.gpus_per_node,
+                state_buffer_mb=relibra.state_buffer_mb,
             )
 
     def ready(self) -> int:

@@ -8,7 +8,9 @@
   BEFORE Megatron's finalize_model_grads hands expert gradients to the data-parallel reduction. Activation
   recompute re-runs the forward inside the backward and so re-pushes the weights.
 - `move_slots(tensor_J, moves, group)`: in-place permutation of a stacked slot tensor's rows across ranks
-  (expert migration); used for weights and for every optimizer state tensor shaped like them.
+  (expert migration); used for weights and for every optimizer state tensor shaped like them. In two halves for
+  a migration that runs behind other work: `post_slot_moves` posts the transfers and returns at once,
+  `land_slot_moves` waits for them and rewrites the rows. Between the two the source rows must not change.
 
 Departure from the paper: the push runs when the layer's experts compute (not overlapped with attention),
 and the fold runs inside the layer's backward (not overlapped with attention backward).
@@ -18,24 +20,29 @@ Legend: H home slots, R replica slots, F expert FFN size, D hidden size, J slots
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from relibra.executor.tables import MigrationMoves, ReplicaExchange
 
-__all__ = ["move_slots", "p2p", "push_replicas"]
+__all__ = ["SlotTransfer", "land_slot_moves", "move_slots", "p2p", "post_slot_moves", "push_replicas"]
 
 
 def p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group) -> None:
     """Post every send (tensor, peer EP rank) and receive (buffer, peer EP rank) of `group` at once and wait."""
+    for req in _post(sends, recvs, group):
+        req.wait()
+
+
+def _post(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group) -> list:
+    """Post the transfers as one batch; the returned requests complete them."""
     ops = [
         dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(group, peer), group) for t, peer in sends
     ]
     ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group) for t, peer in recvs]
-    if not ops:
-        return
-    for req in dist.batch_isend_irecv(ops):
-        req.wait()
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 class _PushReplicas(torch.autograd.Function):
@@ -84,14 +91,48 @@ def push_replicas(
     return _PushReplicas.apply(w1_home, w2_home, exchange, num_replicas, group)
 
 
+@dataclass
+class SlotTransfer:
+    """The cross-rank half of one slot move in flight: `recv_RX` receives `moves.recvs` in order, `sent` keeps
+    the send buffers alive until `requests` complete."""
+
+    moves: MigrationMoves
+    recv_RX: torch.Tensor
+    sent: list[torch.Tensor]
+    requests: list
+    bytes_sent: int
+
+
 @torch.no_grad()
+def post_slot_moves(tensor_J: torch.Tensor, moves: MigrationMoves, group) -> SlotTransfer:
+    """Post the sends and receives of `moves` for the rows of `tensor_J`; collective over `group`, returns at once."""
+    sent = [tensor_J[jo] for _peer, jo in moves.sends]  # rows of the leading dim: contiguous views
+    recv_RX = tensor_J.new_empty(len(moves.recvs), *tensor_J.shape[1:])
+    requests = _post(
+        list(zip(sent, (peer for peer, _ in moves.sends), strict=True)),
+        [(recv_RX[r], peer) for r, (peer, _j) in enumerate(moves.recvs)],
+        group,
+    )
+    nbytes = sum(t.numel() * t.element_size() for t in sent)
+    return SlotTransfer(moves, recv_RX, sent, requests, nbytes)
+
+
+@torch.no_grad()
+def land_slot_moves(tensor_J: torch.Tensor, transfer: SlotTransfer) -> None:
+    """Wait for `transfer` and rewrite the rows of `tensor_J` (the tensor it was posted for) in place."""
+    for req in transfer.requests:
+        req.wait()
+    moves = transfer.moves
+    if moves.local:
+        dst, src = (list(x) for x in zip(*moves.local, strict=True))
+        tensor_J[dst] = tensor_J[src]  # advanced indexing reads every source row before writing
+    if moves.recvs:
+        tensor_J[[j for _peer, j in moves.recvs]] = transfer.recv_RX
+    transfer.requests, transfer.sent = [], []
+
+
 def move_slots(tensor_J: torch.Tensor, moves: MigrationMoves, group) -> int:
     """Rewrite the slot rows of `tensor_J` in place as `moves` says; collective over `group`. Returns bytes sent."""
-    new = torch.empty_like(tensor_J)
-    for j, jo in moves.local:
-        new[j] = tensor_J[jo]
-    sends = [(tensor_J[jo], peer) for peer, jo in moves.sends]
-    recvs = [(new[j], peer) for peer, j in moves.recvs]
-    p2p(sends, [(buf, peer) for buf, peer in recvs], group)
-    tensor_J.copy_(new)
-    return sum(t.numel() * t.element_size() for t, _ in sends)
+    transfer = post_slot_moves(tensor_J, moves, group)
+    land_slot_moves(tensor_J, transfer)
+    return transfer.bytes_sent

@@ -11,7 +11,11 @@ Per step (`step(plan, loads_MLSE)` or `begin_step` / `end_step` around `engine.t
    EP group holds the same plan, before any tensor moves: a bad plan raises PlanError on every rank;
 2. reorder: migrate experts to the plan's `home_LE` by swapping slot contents between ranks (weights and the
    optimizer state tensors shaped like them: AdamW's exp_avg / exp_avg_sq; parameter objects, gradient
-   buffers and optimizer state objects stay where they are);
+   buffers and optimizer state objects stay where they are). Only the weights move before the step; the
+   optimizer state (12 of the 14 bytes per parameter under mixed precision) travels while the step computes,
+   in chunks of layers within `state_buffer_mb` of receive buffers (relibra.executor.migration), landed by the
+   expert hooks as it arrives and at the latest by the engine's `optimizer_state_hooks` (before the optimizer
+   step, offload or a checkpoint);
 3. for every micro-batch m (counted by a forward pre-hook on the decoder) and layer: reroute the router's
    logical top-k to physical slots following the plan's quotas for this rank's tokens
    (relibra.executor.reroute), push replica weights from their owners (relibra.executor.comm), compute home +
@@ -23,7 +27,8 @@ Checkpoints and HF export follow `logical_expert_ids`, so they come out in logic
 `load_checkpoint` loads an engine checkpoint saved under another placement.
 
 Metrics of a step (`end_step`, keys `relibra/exec_*`): apply time (check + migration + tables), experts migrated
-into this rank and bytes it sent, replica pushes, replicas per (micro-batch, layer), the measured skew (max/mean
+into this rank and bytes it sent, the chunks of optimizer state moved during the step and how many of them the
+optimizer step still had to wait for, replica pushes, replicas per (micro-batch, layer), the measured skew (max/mean
 over the EP group of the pairs each rank's experts computed, averaged over (micro-batch, layer); padding tokens
 included) and the measured expert forward time (this rank, max and mean over the EP group; CUDA events on GPU).
 Planner time, planned skew and simulated MoE time come from tppo.balance.LoadPlanner.
@@ -58,7 +63,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from relibra.executor.comm import move_slots, push_replicas
+from relibra.executor.comm import land_slot_moves, move_slots, push_replicas
+from relibra.executor.migration import StateJob, StateMigration
 from relibra.executor.reroute import permute_routing, reroute_routing
 from relibra.executor.tables import (
     ReplicaExchange,
@@ -103,7 +109,9 @@ class ExecutorStep:
 class ExpertExecutor:
     """Applies plans to `engine`'s MoE layers; process groups come from `engine.groups` (EP and expert-DP)."""
 
-    def __init__(self, engine, *, num_replica_slots: int = 0, gpus_per_node: int = 8) -> None:
+    def __init__(
+        self, engine, *, num_replica_slots: int = 0, gpus_per_node: int = 8, state_buffer_mb: float = 1024
+    ) -> None:
         groups = engine.groups
         self.engine = engine
         self.group, self.rank = groups.ep, groups.ep_rank
@@ -127,6 +135,20 @@ class ExpertExecutor:
         )
         self.slots_LGH = self._gather_slots()
         self._static = self._is_static()
+        # Optimizer state of a migration travels over a group of its own while the step runs (NCCL serialises
+        # the work of one communicator: on the EP group it would hold up the first dispatch).
+        self._state_group = dist.new_group(
+            dist.get_process_group_ranks(self.group), use_local_synchronization=True
+        )
+        # Initialise its communicator now, with every member, not inside a step (NCCL does so on first use).
+        dist.all_reduce(torch.zeros(1, device=self.device), group=self._state_group)
+        self._state = StateMigration(
+            self._state_group,
+            max(1, int(state_buffer_mb * 2**20)),
+            self._state_tensors,
+            self._land_state_rows,
+        )
+        engine.optimizer_state_hooks.append(self.land_state)
         self._log_of_phys = [self._home_permutation(li) for li in range(len(self.layers))]
         self._home_dispatchers = [layer.token_dispatcher for layer in self.layers]
         self._slot_dispatchers: list | None = None
@@ -192,6 +214,7 @@ class ExpertExecutor:
 
     def _expert_start(self, li: int):
         def hook(module, args) -> None:
+            self._state.progress()  # land migrated optimizer state that has arrived, post the next chunk
             step = self._step
             if step is None or (self.recompute and torch.is_grad_enabled()):
                 return  # measure first passes only
@@ -326,7 +349,8 @@ class ExpertExecutor:
             raise RuntimeError("a plan is already applied: call end_step() first")
         start = time.perf_counter()
         self.check(plan, loads_MLSE, num_microbatches)
-        migration = self.migrate(plan.home_LE[self.layer_ids])
+        # The step's forward and backward need only the weights: the optimizer state travels meanwhile.
+        migration = self.migrate(plan.home_LE[self.layer_ids], defer_state=True)
         inst, cum = reroute_tables(plan, self.topo, self.rank, self.layer_ids)
         step = ExecutorStep(
             plan=plan,
@@ -351,6 +375,7 @@ class ExpertExecutor:
     def end_step(self) -> dict[str, float]:
         """Stop routing by the plan (the placement stays); return the step's metrics (`relibra/exec_*`)."""
         step, self._step = self._step, None
+        self.land_state()  # a step skipped for non-finite gradients never ran the engine's state hooks
         for layer, home in zip(self.layers, self._home_dispatchers, strict=True):
             layer.token_dispatcher = home
             layer.experts.weight_provider = None
@@ -367,6 +392,10 @@ class ExpertExecutor:
             "relibra/exec_apply_s": step.apply_s,
             "relibra/exec_migrated_experts": float(step.migration.num_experts_in),
             "relibra/exec_migration_bytes": float(step.migration.bytes_sent),
+            "relibra/exec_state_chunks": float(
+                self._state.num_chunks if step.migration.num_experts_in else 0
+            ),
+            "relibra/exec_state_waited_chunks": float(self._state.waited_chunks),
             "relibra/exec_replica_pushes": float(step.pushes),
             "relibra/exec_replicas_per_mb_layer": float((replicas >= 0).sum(axis=(2, 3)).mean()),
             **self._measured(step),
@@ -384,65 +413,83 @@ class ExpertExecutor:
             state.extra.update(self.end_step())
 
     # ----------------------------------------------------------------- migration
-    def migrate(self, home_LE: np.ndarray) -> MigrationStats:
+    def migrate(self, home_LE: np.ndarray, *, defer_state: bool = False) -> MigrationStats:
         """Move experts so that rank g owns the experts home_LE[l] assigns to g (rows: this stage's layers).
 
-        Collective over the EP group. Call between optimizer steps (gradients are not moved).
+        Collective over the EP group. Call between optimizer steps (gradients are not moved); `defer_state` as
+        in `migrate_slots`.
         """
         new_LGH = home_slots_LGH(np.asarray(home_LE), self.topo)
-        return self.migrate_slots(new_LGH)
+        return self.migrate_slots(new_LGH, defer_state=defer_state)
 
-    def migrate_slots(self, new_LGH: np.ndarray) -> MigrationStats:
-        """Move slot contents to new_LGH[l, g, j] (logical ids, any order inside a rank)."""
+    def migrate_slots(self, new_LGH: np.ndarray, *, defer_state: bool = False) -> MigrationStats:
+        """Move slot contents to new_LGH[l, g, j] (logical ids, any order inside a rank).
+
+        The weights move now. With `defer_state` the optimizer state moves behind the coming step
+        (relibra.executor.migration) and has landed once the engine ran its optimizer-state hooks; otherwise it
+        lands before this returns.
+        """
         new_LGH = np.asarray(new_LGH)
         if new_LGH.shape != self.slots_LGH.shape:
             raise ValueError(f"new placement has shape {new_LGH.shape}, expected {self.slots_LGH.shape}")
+        self.land_state()
         stats = MigrationStats()
-        changed = [li for li in range(len(self.layers)) if (new_LGH[li] != self.slots_LGH[li]).any()]
-        for li in changed:
-            moves = migration_moves(self.slots_LGH[li], new_LGH[li], self.rank)
+        jobs, recv_XG = [], []
+        for li in range(len(self.layers)):
+            old_GH = self.slots_LGH[li]
+            if (new_LGH[li] == old_GH).all():
+                continue
+            moves = migration_moves(old_GH, new_LGH[li], self.rank)
             experts = self.layers[li].experts
             for param in (experts.weight1, experts.weight2):
-                stats.bytes_sent += self._move_param(param, moves)
+                stats.bytes_sent += move_slots(param.data, moves, self.group)
+            jobs.append(StateJob((experts.weight1, experts.weight2), moves))
+            recv_XG.append([np.setdiff1d(new_LGH[li, g], old_GH[g]).size for g in range(len(old_GH))])
             stats.num_experts_in += len(moves.recvs)
             experts.logical_expert_ids = [int(e) for e in new_LGH[li, self.rank]]
             self.slots_LGH[li] = new_LGH[li]
             self._log_of_phys[li] = self._home_permutation(li)
         self._static = self._is_static()
+        if jobs:
+            row_bytes = self._state.row_bytes(jobs[0].params)
+            stats.bytes_sent += self._state.begin(jobs, np.array(recv_XG), row_bytes)
+        if not defer_state:
+            self.land_state()
         return stats
 
-    def _move_param(self, param: torch.nn.Parameter, moves) -> int:
-        """Move the slot rows of a stacked expert parameter and of its optimizer state; return bytes sent."""
-        sent = move_slots(param.data, moves, self.group)
+    @property
+    def state_in_flight(self) -> bool:
+        """Whether optimizer state of a migration is still on its way (`land_state` completes it)."""
+        return self._state.in_flight
+
+    def land_state(self) -> None:
+        """Complete the optimizer-state transfers of the last migration (a no-op when none is in flight)."""
+        self._state.finish()
+
+    def _land_state_rows(self, param: torch.nn.Parameter, transfers: dict) -> None:
+        if self.engine.megatron_optimizer:
+            self._land_megatron_state(param, transfers)
+            return
+        state = self.engine.optimizer.state[param]
+        for key, transfer in transfers.items():
+            land_slot_moves(state[key], transfer)
+
+    def _state_tensors(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        """The optimizer state of `param` that migrates with it, each viewed with the parameter's shape.
+
+        torch optimizers: the state tensors shaped like the parameter (AdamW's exp_avg / exp_avg_sq). Megatron's
+        distributed optimizer: the fp32 master weight and Adam moments, only unsharded (expert data-parallel
+        size 1: this rank's shard is the whole parameter); a sharded state raises NotImplementedError.
+        """
         if not self.engine.megatron_optimizer:
             state = self.engine.optimizer.state.get(param, {})
-            for v in state.values():
-                if isinstance(v, torch.Tensor) and v.shape == param.shape:
-                    sent += move_slots(v, moves, self.group)
-            return sent
-        return sent + self._move_megatron_state(param, moves)
-
-    def _move_megatron_state(self, param: torch.nn.Parameter, moves) -> int:
-        """Megatron's distributed optimizer: the fp32 master weight and Adam moments of `param`.
-
-        Only an unsharded state is moved (expert data-parallel size 1: this rank's shard is the whole
-        parameter); a state sharded over expert-DP ranks raises NotImplementedError.
-        """
-        sent = 0
-        chained = getattr(self.engine.optimizer, "chained_optimizers", [self.engine.optimizer])
-        owners = [opt for opt in chained if param in opt.model_param_group_index_map]
-        if len(owners) != 1:
-            raise RuntimeError(
-                f"expert parameter {tuple(param.shape)} is in {len(owners)} Megatron optimizers, not 1"
-            )
-        opt = owners[0]
-        tensors = opt._get_main_param_and_optimizer_states(param)
-        moved = {}
-        for key, value in tensors.items():
+            return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == param.shape}
+        out = {}
+        for key, value in self._megatron_owner(param)._get_main_param_and_optimizer_states(param).items():
             if not isinstance(value, torch.Tensor) or value.numel() <= 1:
                 continue
             # fp32 model parameters have no separate master copy: Megatron's "main param" is a view of the
-            # parameter's own buffer, which move_slots has already rewritten.
+            # parameter's own buffer, which the weights' move has already rewritten.
             if value.untyped_storage().data_ptr() == param.data.untyped_storage().data_ptr():
                 continue
             if value.numel() != param.numel():
@@ -450,13 +497,30 @@ class ExpertExecutor:
                     "expert migration with Megatron's distributed optimizer sharded over expert-data-parallel "
                     f"ranks is not implemented ({key}: {value.numel()} of {param.numel()} values here)"
                 )
-            full = value.detach().reshape(param.shape).clone()
-            sent += move_slots(full, moves, self.group)
-            moved[key] = full.reshape(value.shape)
+            out[key] = value.detach().reshape(param.shape)
+        return out
+
+    def _megatron_owner(self, param: torch.nn.Parameter):
+        chained = getattr(self.engine.optimizer, "chained_optimizers", [self.engine.optimizer])
+        owners = [opt for opt in chained if param in opt.model_param_group_index_map]
+        if len(owners) != 1:
+            raise RuntimeError(
+                f"expert parameter {tuple(param.shape)} is in {len(owners)} Megatron optimizers, not 1"
+            )
+        return owners[0]
+
+    def _land_megatron_state(self, param: torch.nn.Parameter, transfers: dict) -> None:
+        # The accessors may hand out copies (precision-aware optimizer): land into a copy and write it back.
+        opt = self._megatron_owner(param)
+        tensors = opt._get_main_param_and_optimizer_states(param)
+        moved = {}
+        for key, transfer in transfers.items():
+            full = tensors[key].detach().reshape(param.shape).clone()
+            land_slot_moves(full, transfer)
+            moved[key] = full.reshape(tensors[key].shape)
         # The fp32 main parameter is a leaf that requires grad: copy into it untracked.
         with torch.no_grad():
             opt._set_main_param_and_optimizer_states(param, {**tensors, **moved})
-        return sent
 
     # ----------------------------------------------------------------- checkpoints
     def load_checkpoint(self, state_dict: dict, *, keep_saved_placement: bool = False) -> None:
@@ -480,6 +544,7 @@ class ExpertExecutor:
         """Remove the hooks (the placement stays in `logical_expert_ids`; routing falls back to Megatron's)."""
         if self._step is not None:
             self.end_step()
+        self.land_state()
         if not self._static:
             raise RuntimeError(
                 "detach under a non-static placement would route to the wrong experts: migrate back"
@@ -489,6 +554,7 @@ class ExpertExecutor:
         self._hook.remove()
         for hook in self._expert_hooks:
             hook.remove()
+        self.engine.optimizer_state_hooks.remove(self.land_state)
 
 
 def _digest(plan: Plan) -> float:

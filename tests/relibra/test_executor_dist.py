@@ -52,22 +52,27 @@ def _close(a: dict, b: dict, rtol=1e-5, atol=1e-6):
         )
 
 
+ONE_LAYER = 1e-6  # MiB of migration buffers: every moved layer's optimizer state is a chunk of its own
 CASES = [
-    pytest.param(2, 2, 0, False, 8, 0.0, None, id="ep2-reorder"),
-    pytest.param(2, 2, 1, False, 8, 0.0, None, id="ep2-reorder+replicas"),
-    pytest.param(2, 2, 1, False, [8, 5], 0.0, None, id="ep2-replicas-padded"),
-    pytest.param(2, 2, 1, True, 8, 0.0, None, id="ep2-replicas-recompute"),
-    pytest.param(2, 2, 1, False, 8, 0.1, None, id="ep2-replicas-aux-loss"),
+    pytest.param(2, 2, 0, False, 8, 0.0, None, 1024, id="ep2-reorder"),
+    pytest.param(2, 2, 0, False, 8, 0.0, None, ONE_LAYER, id="ep2-reorder-state-per-layer"),
+    pytest.param(2, 2, 1, False, 8, 0.0, None, 1024, id="ep2-reorder+replicas"),
+    pytest.param(2, 2, 1, False, [8, 5], 0.0, None, 1024, id="ep2-replicas-padded"),
+    pytest.param(2, 2, 1, True, 8, 0.0, None, 1024, id="ep2-replicas-recompute"),
+    pytest.param(2, 2, 1, False, 8, 0.1, None, 1024, id="ep2-replicas-aux-loss"),
     # The GPU's token dispatcher (all-to-all), here over gloo through the engine's CPU compat layer.
-    pytest.param(2, 2, 1, False, 8, 0.0, "alltoall", id="ep2-replicas-alltoall"),
-    pytest.param(4, 2, 1, False, 6, 0.0, None, id="ep4-two-nodes-replicas", marks=pytest.mark.slow),
+    pytest.param(2, 2, 1, False, 8, 0.0, "alltoall", 1024, id="ep2-replicas-alltoall"),
+    pytest.param(4, 2, 1, False, 6, 0.0, None, 1024, id="ep4-two-nodes-replicas", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize(("ep", "gpn", "replicas", "recompute", "tokens", "aux_loss", "dispatcher"), CASES)
-def test_any_plan_equals_static(ep, gpn, replicas, recompute, tokens, aux_loss, dispatcher):
+@pytest.mark.parametrize(
+    ("ep", "gpn", "replicas", "recompute", "tokens", "aux_loss", "dispatcher", "buffer_mb"), CASES
+)
+def test_any_plan_equals_static(ep, gpn, replicas, recompute, tokens, aux_loss, dispatcher, buffer_mb):
     """Random valid plans (a reorder every step, random intra-node replicas with random quota splits) give the
-    static placement's losses, gradients and weights in logical order; the dispatcher hands every slot exactly
+    static placement's losses, gradients and weights in logical order (the optimizer state of a reorder lands
+    only at the optimizer step); the dispatcher hands every slot exactly
     its quota; a checkpoint saved under the final placement loads under the static one (weights and Adam
     moments: one more step agrees)."""
     topo, batches, loads, plans = _setup(replicas, seed=1 + replicas, ep=ep, gpn=gpn, tokens=tokens)
@@ -85,6 +90,7 @@ def test_any_plan_equals_static(ep, gpn, replicas, recompute, tokens, aux_loss, 
         dispatcher,
         recompute,
         aux_loss,
+        buffer_mb,
         timeout_s=300,
     )
     H = topo.num_home_slots
@@ -109,6 +115,14 @@ def test_any_plan_equals_static(ep, gpn, replicas, recompute, tokens, aux_loss, 
             moved_in = ((now == rank) & (before != rank)).sum()
             moved_out = ((now != rank) & (before == rank)).sum()
             assert metrics["relibra/exec_migrated_experts"] == moved_in
+            # The moved experts' Adam moments (there are some once a step has run) were still travelling when
+            # the backward ended, and the equal weights below say they landed before the optimizer read them.
+            layers_moved = int((now != before).any(axis=1).sum())
+            assert got["in_flight"][step] == bool(step and layers_moved)
+            chunks = layers_moved if buffer_mb == ONE_LAYER else min(layers_moved, 1)
+            assert metrics["relibra/exec_state_chunks"] == (chunks if step else 0)
+            # gloo completes a transfer only in its wait: the optimizer step waited for every chunk.
+            assert metrics["relibra/exec_state_waited_chunks"] == metrics["relibra/exec_state_chunks"]
             # W1 + W2 of an expert (3 F D fp32 values), with AdamW's two moments once a step has run.
             per_expert = 3 * W.TINY["moe_ffn_hidden_size"] * W.TINY["hidden_size"] * 4 * (3 if step else 1)
             assert metrics["relibra/exec_migration_bytes"] == moved_out * per_expert

@@ -138,7 +138,7 @@ def _hf_weights(engine) -> dict:
 def _train(engine, batches, executor=None, plans=None, loads=None) -> dict:
     from engine_testing import hf_gradients, nll_loss
 
-    losses, grads, counts, metrics = [], [], [], []
+    losses, grads, counts, metrics, in_flight = [], [], [], [], []
     for step, mbs in enumerate(batches):
         seen = []
         hooks = [
@@ -148,15 +148,25 @@ def _train(engine, batches, executor=None, plans=None, loads=None) -> dict:
         if executor is not None:
             executor.begin_step(plans[step], loads[step])
         loss, _ = engine.forward_backward(mbs, nll_loss)
-        if executor is not None:
-            metrics.append(executor.end_step())
         for h in hooks:
             h.remove()
         counts.append(seen)
         grads.append(hf_gradients(engine))
+        # As tppo.workers orders it: the optimizer step, whose state hook lands migrated state, then end_step.
+        if executor is not None:
+            in_flight.append(executor.state_in_flight)
         engine.optimizer_step()
+        if executor is not None:
+            metrics.append(executor.end_step())
         losses.append(loss)
-    return dict(losses=losses, grads=grads, counts=counts, metrics=metrics, weights=_hf_weights(engine))
+    return dict(
+        losses=losses,
+        grads=grads,
+        counts=counts,
+        metrics=metrics,
+        in_flight=in_flight,
+        weights=_hf_weights(engine),
+    )
 
 
 def invariance_worker(
@@ -169,6 +179,7 @@ def invariance_worker(
     dispatcher: str | None = None,
     recompute: bool = False,
     aux_loss: float = 0.0,
+    state_buffer_mb: float = 1024,
 ) -> dict:
     """Static engine vs engine with the executor applying `plans`, on the same data; plus checkpoint loading."""
     from relibra.executor.executor import ExpertExecutor
@@ -178,7 +189,9 @@ def invariance_worker(
     static = _engine(ep, dispatcher, recompute, aux_loss=aux_loss)
     ref = _train(static, batches)
     engine = _engine(ep, dispatcher, recompute, aux_loss=aux_loss)
-    executor = ExpertExecutor(engine, num_replica_slots=replicas, gpus_per_node=gpn)
+    executor = ExpertExecutor(
+        engine, num_replica_slots=replicas, gpus_per_node=gpn, state_buffer_mb=state_buffer_mb
+    )
     got = _train(engine, batches, executor, plans, loads)
     placement = [list(layer.experts.logical_expert_ids) for layer in engine.moe_layers]
     # A checkpoint saved under the final (reordered) placement, loaded by an engine under the static one.

@@ -33,6 +33,9 @@ def test_defaults_and_yaml_errors(tmp_path):
         CostModel.from_yaml(tmp_path / "short.yaml")
     with pytest.raises(ValueError, match="non-negative"):
         dataclasses.replace(COST, nic_gb_per_s=-1.0)
+    with pytest.raises(ValueError, match="true or false"):
+        dataclasses.replace(COST, overlap_optimizer_state=1)
+    assert COST.overlap_optimizer_state  # what relibra.executor does
 
 
 def test_gemm_formula():
@@ -132,34 +135,50 @@ def _reference_step(plan, loads, topk, topo, cost, prev_home):
                     bwd = max(bwd, lat + c * (w_bytes + g_bytes) / (cost.nvlink_gb_per_s * 1e3)
                               - cost.backward_factor * attn[m][g])  # fmt: skip
             replication += fwd + bwd
-    sent, recv = np.zeros((2, G)), np.zeros((2, G))
-    per_expert = cost.expert_params * cost.optimizer_bytes_per_param / cost.optimizer_shards
-    moved = False
-    for layer in range(L):
-        for e in range(plan.num_experts):
-            a, b = prev_home[layer, e], plan.home_LE[layer, e]
-            if a != b:
-                moved = True
-                k = int(node[a] == node[b])  # 0: NIC, 1: NVLink
-                sent[k, a] += per_expert
-                recv[k, b] += per_expert
-    migration = 0.0
-    if moved:
-        migration = (
+
+    def transfer(per_expert: float) -> float:
+        sent, recv = np.zeros((2, G)), np.zeros((2, G))
+        moved = False
+        for layer in range(L):
+            for e in range(plan.num_experts):
+                a, b = prev_home[layer, e], plan.home_LE[layer, e]
+                if a != b:
+                    moved = True
+                    k = int(node[a] == node[b])  # 0: NIC, 1: NVLink
+                    sent[k, a] += per_expert
+                    recv[k, b] += per_expert
+        if not moved:
+            return 0.0
+        return (
             max(
                 max(sent[0].max(), recv[0].max()) / (cost.nic_gb_per_s * 1e3),
                 max(sent[1].max(), recv[1].max()) / (cost.nvlink_gb_per_s * 1e3),
             )
             + cost.transfer_latency_us
         )
+
+    weights = cost.expert_params * cost.weight_bytes_per_param
+    state = (
+        cost.expert_params
+        * (cost.optimizer_bytes_per_param - cost.weight_bytes_per_param)
+        / cost.optimizer_shards
+    )
+    if cost.overlap_optimizer_state:  # the state travels while the experts compute
+        migration = transfer(weights) + max(0.0, transfer(state) - compute)
+    else:
+        migration = transfer(weights + state)
     non_moe = sum(L * (1 + cost.backward_factor) * max(attn[m]) for m in range(M))
     return compute, alltoall, replication, migration, non_moe, cross_bytes
 
 
-@pytest.mark.parametrize("attention", [0.15, 0.0])
-def test_step_cost_matches_loops(setup, attention):
+@pytest.mark.parametrize(
+    ("attention", "overlap", "shards"), [(0.15, True, 1), (0.0, True, 1), (0.15, False, 1), (0.15, True, 4)]
+)
+def test_step_cost_matches_loops(setup, attention, overlap, shards):
     trace, topo, plan = setup
-    cost = dataclasses.replace(COST, attention_us_per_token=attention)  # 0: every push is exposed
+    cost = dataclasses.replace(  # attention 0: every push is exposed
+        COST, attention_us_per_token=attention, overlap_optimizer_state=overlap, optimizer_shards=shards
+    )
     loads = trace.loads_NMLSE[0]
     prev = np.random.default_rng(0).permuted(static_home_LE(2, topo), axis=1)
     got = step_cost(plan, loads, 4, topo, cost, prev)
@@ -178,6 +197,34 @@ def test_step_cost_matches_loops(setup, attention):
     )
     if attention == 0.0:
         assert got.replication_us > 0
+
+
+def test_migration_state_hides_behind_compute_only_as_far_as_it_lasts(setup):
+    """One expert moves across nodes: the step waits for its weights, and for its optimizer state only past the
+    step's expert compute (or, without the overlap, for everything: the paper's accounting)."""
+    trace, topo, plan = setup
+    loads = trace.loads_NMLSE[0]
+    prev = plan.home_LE.copy()
+    a = int(np.flatnonzero(topo.node_of_gpu()[prev[0]] == 0)[0])  # an expert of node 0 and one of node 1
+    b = int(np.flatnonzero(topo.node_of_gpu()[prev[0]] == 1)[0])
+    prev[0, [a, b]] = prev[0, [b, a]]
+    weights = COST.expert_params * COST.weight_bytes_per_param / (COST.nic_gb_per_s * 1e3)
+    state = COST.expert_params * 12 / (COST.nic_gb_per_s * 1e3)
+    lat = COST.transfer_latency_us
+    for slow in (1e-3, 1e4):  # the compute shorter, then far longer, than the state's transfer
+        cost = dataclasses.replace(
+            COST, gemm_us_per_token=COST.gemm_us_per_token * slow, gemm_us_fixed=COST.gemm_us_fixed * slow
+        )
+        got = step_cost(plan, loads, 4, topo, cost, prev)
+        want = weights + lat + max(0.0, state + lat - got.compute_us)
+        assert got.migration_us == pytest.approx(want, rel=1e-12)
+        assert (want > weights + lat) == (slow < 1)  # both cases happen
+        assert got.migration_bytes == 2 * (weights + state) * COST.nic_gb_per_s * 1e3
+        paper = step_cost(
+            plan, loads, 4, topo, dataclasses.replace(cost, overlap_optimizer_state=False), prev
+        )
+        assert paper.migration_us == pytest.approx(weights + state + lat, rel=1e-12)
+    assert got.migration_us == pytest.approx(weights + lat, rel=1e-12)
 
 
 def test_ideal_step_time_equals_closed_form(setup):

@@ -224,6 +224,9 @@ class MegatronEngine:
         self.optimizer = self._build_optimizer() if self.trainable else None
         self.step_count = 0
         self._offloader = StorageOffloader()
+        # Run before anything reads or moves optimizer state (the optimizer step, offload, checkpoints): ReLibra's
+        # executor lands the optimizer state it migrates while a step computes.
+        self.optimizer_state_hooks: list[Callable[[], None]] = []
 
     # ----------------------------------------------------------------- construction
     def _wrap_ddp(self, built: BuiltModel):
@@ -709,6 +712,7 @@ class MegatronEngine:
 
     def optimizer_step(self) -> StepResult:
         """Clip, set this step's LR, update. Non-finite gradients skip the update (result.skipped)."""
+        self._before_optimizer_state()
         lr = lr_at(self.step_count, self.optim_cfg, self.total_steps)
         dense_sq, expert_sq = self._grad_sq_norms()
         sq = dense_sq + expert_sq
@@ -728,6 +732,10 @@ class MegatronEngine:
             self._cpu_step(factor)
         self.step_count += 1
         return StepResult(loss=float("nan"), grad_norm=grad_norm, lr=lr, skipped=False, num_microbatches=0)
+
+    def _before_optimizer_state(self) -> None:
+        for hook in self.optimizer_state_hooks:
+            hook()
 
     def _clip_scale(self, grad_norm: float) -> float:
         clip = self.optim_cfg.grad_clip
@@ -763,6 +771,7 @@ class MegatronEngine:
     # ----------------------------------------------------------------- offload
     def offload(self) -> None:
         """Move parameters, gradients and optimizer state off the accelerator (storage freed, views kept)."""
+        self._before_optimizer_state()
         self._offloader.offload(self._offload_tensors(), drop=self._grad_tensors())
         if self.cuda:
             torch.cuda.empty_cache()
@@ -799,6 +808,7 @@ class MegatronEngine:
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
         """This rank's model shard, optimizer state, step and expert placement (CPU tensors)."""
+        self._before_optimizer_state()
         model = {
             k: v.detach().cpu().clone()
             for k, v in self.module.state_dict().items()
@@ -819,6 +829,7 @@ class MegatronEngine:
         }
 
     def load_state_dict(self, sd: dict) -> None:
+        self._before_optimizer_state()
         if sd.get("format") != "tppo-megatron-engine-v1":
             raise ValueError(f"not an engine checkpoint (format {sd.get('format')!r})")
         layout = (self.groups.tp_size, self.groups.pp_size, self.groups.ep_size, self.groups.dp_size)
