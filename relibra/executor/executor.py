@@ -392,9 +392,7 @@ class ExpertExecutor:
             "relibra/exec_apply_s": step.apply_s,
             "relibra/exec_migrated_experts": float(step.migration.num_experts_in),
             "relibra/exec_migration_bytes": float(step.migration.bytes_sent),
-            "relibra/exec_state_chunks": float(
-                self._state.num_chunks if step.migration.num_experts_in else 0
-            ),
+            "relibra/exec_state_chunks": float(self._state.num_chunks),
             "relibra/exec_state_waited_chunks": float(self._state.waited_chunks),
             "relibra/exec_replica_pushes": float(step.pushes),
             "relibra/exec_replicas_per_mb_layer": float((replicas >= 0).sum(axis=(2, 3)).mean()),
@@ -450,9 +448,8 @@ class ExpertExecutor:
             self.slots_LGH[li] = new_LGH[li]
             self._log_of_phys[li] = self._home_permutation(li)
         self._static = self._is_static()
-        if jobs:
-            row_bytes = self._state.row_bytes(jobs[0].params)
-            stats.bytes_sent += self._state.begin(jobs, np.array(recv_XG), row_bytes)
+        row_bytes = self._state.row_bytes(jobs[0].params) if jobs else 0
+        stats.bytes_sent += self._state.begin(jobs, np.array(recv_XG), row_bytes)
         if not defer_state:
             self.land_state()
         return stats
