@@ -14,8 +14,12 @@ Per (micro-batch m, layer l), everything in microseconds:
   non-MoE = sum over (m, l) of (1 + f_bwd) max_s attn_s and migration is the exposed part of moving every
   expert whose owner changed: its bf16 weights (2 bytes per parameter) before the step, and its optimizer state
   (12: fp32 master + 2 Adam moments, split over optimizer shards) either before the step too
-  (`overlap_optimizer_state: false`, the paper's accounting) or behind the step's expert compute, as
-  relibra.executor does it:  migration = T(weights) + max(0, T(state) - compute),  T = one batch of transfers.
+  (`overlap_optimizer_state: false`, the paper's accounting) or during it, as relibra.executor does it. The
+  executor sends the state in chunks as earlier ones land, not timed to the phases of the step, so the transfer
+  is taken as spread over the step: what coincides with the all-to-alls delays them (the links are shared),
+  what falls into expert compute or attention is hidden, and what outlasts the step is exposed:
+    migration = T(weights) + share min(T(state), span) + max(0, T(state) - span),
+    span = all-to-all + compute + non-MoE,  share = all-to-all / span,  T = one batch of transfers.
 
 Departures (ours): EPLB-style plans (persistent copies) pay once per step to push weights to every copy and
 reduce its gradients to the owner, counted as exposed; a transfer batch adds `transfer_latency_us` once. The ideal
@@ -162,11 +166,12 @@ class CostModel:
         state = self.expert_params * (self.optimizer_bytes_per_param - self.weight_bytes_per_param)
         return float(weights), state / self.optimizer_shards
 
-    def exposed_migration_bytes_per_expert(self) -> float:
-        """Bytes of a moved expert the step waits for: the weights if the optimizer state travels during the
-        step, else both."""
+    def exposed_migration_bytes_per_expert(self, alltoall_share: float) -> float:
+        """Bytes of a moved expert the step waits for: the weights, and of the optimizer state all if it moves
+        before the step, else the `alltoall_share` of the step's time that its transfer shares with the
+        all-to-alls (module docstring)."""
         weights, state = self.migration_bytes_per_expert()
-        return weights if self.overlap_optimizer_state else weights + state
+        return weights + state * (alltoall_share if self.overlap_optimizer_state else 1.0)
 
 
 @dataclass(frozen=True)
@@ -195,6 +200,12 @@ class StepCost:
     @property
     def step_us(self) -> float:
         return self.moe_us + self.non_moe_us
+
+    @property
+    def alltoall_share(self) -> float:
+        """The fraction of the step's dispatch, compute and attention time that the all-to-alls take."""
+        span = self.alltoall_us + self.compute_us + self.non_moe_us
+        return self.alltoall_us / span if span > 0 else 0.0
 
 
 def _attention_us_MG(loads_MLSE: np.ndarray, topk: int, cost: CostModel) -> np.ndarray:
@@ -288,16 +299,25 @@ def _transfer_us(src_X: np.ndarray, dst_X: np.ndarray, bytes_X: np.ndarray, topo
 
 
 def _migration(
-    prev_home_LE: np.ndarray, home_LE: np.ndarray, topo: Topology, cost: CostModel, compute_us: float
+    prev_home_LE: np.ndarray,
+    home_LE: np.ndarray,
+    topo: Topology,
+    cost: CostModel,
+    alltoall_us: float,
+    idle_us: float,
 ):
-    """(exposed time, bytes) of moving experts from prev_home_LE to home_LE: module docstring."""
+    """(exposed time, bytes) of moving experts from prev_home_LE to home_LE, in a step whose all-to-alls take
+    `alltoall_us` and whose expert compute and attention take `idle_us` (module docstring)."""
     weights, state = cost.migration_bytes_per_expert()
     src, dst = prev_home_LE.reshape(-1), home_LE.reshape(-1)
     if not cost.overlap_optimizer_state:
         return _transfer_us(src, dst, np.full(len(src), weights + state), topo, cost)
     t_weights, b_weights = _transfer_us(src, dst, np.full(len(src), weights), topo, cost)
     t_state, b_state = _transfer_us(src, dst, np.full(len(src), state), topo, cost)
-    return t_weights + max(0.0, t_state - compute_us), b_weights + b_state
+    span = alltoall_us + idle_us
+    share = alltoall_us / span if span > 0 else 0.0
+    exposed = share * min(t_state, span) + max(0.0, t_state - span)
+    return t_weights + exposed, b_weights + b_state
 
 
 def step_cost(
@@ -312,13 +332,16 @@ def step_cost(
         replication = _persistent_replication_us(plan, topo, cost)
     else:
         replication = _transient_replication_us(plan, attn_MG, cost)
-    migration, migration_bytes = _migration(prev_home_LE, plan.home_LE, topo, cost, compute)
+    non_moe = _non_moe_us(loads_MLSE, topk, cost)
+    migration, migration_bytes = _migration(
+        prev_home_LE, plan.home_LE, topo, cost, alltoall, compute + non_moe
+    )
     return StepCost(
         compute_us=compute,
         alltoall_us=alltoall,
         replication_us=replication,
         migration_us=migration,
-        non_moe_us=_non_moe_us(loads_MLSE, topk, cost),
+        non_moe_us=non_moe,
         cross_node_bytes=cross_bytes,
         migration_bytes=migration_bytes,
         skew_ML=_skew_ML(served_MLGJ.sum(axis=-1)),

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from relibra.cost_model import ideal_step_cost
 from relibra.plan import IdealPlan, Plan, PlannerState, static_home_LE
 from relibra.planners.base import PlanContext, PlannerFn, check_loads, home_plan, next_state, previous_home
 from relibra.planners.eplb import eplb_plan
@@ -102,7 +103,11 @@ def annealed_home(loads_MLSE: np.ndarray, prev_LE: np.ndarray, ctx: PlanContext,
     """The reorder step of ReLibra: anneal from the better of the previous placement and LPT (per layer), then
     descend on the placement floor (`relibra.planners.refine`)."""
     cfg, topo = ctx.config, ctx.topo
-    prob = reorder_problem(loads_MLSE, prev_LE, topo, ReorderWeights.from_config(cfg, ctx.cost, topo))
+    # How much of a migration's optimizer state the step waits for depends on the all-to-alls' share of the
+    # step: the ideal plan's is a placement-free estimate.
+    share = ideal_step_cost(loads_MLSE, ctx.topk, topo, ctx.cost).alltoall_share
+    weights = ReorderWeights.from_config(cfg, ctx.cost, topo, share)
+    prob = reorder_problem(loads_MLSE, prev_LE, topo, weights)
     lpt = greedy_lpt_home(loads_MLSE, topo)
     use_lpt = reorder_objective_L(prob, lpt) < reorder_objective_L(prob, prev_LE)
     start = np.where(use_lpt[:, None], lpt, prev_LE)

@@ -9,8 +9,9 @@ Objective of one layer (specs/relibra.md), in microseconds, summed over micro-ba
 
 with c_pair = a (1 + f_bwd) (expert time per pair), c_x = 4 bytes_per_pair / (Q B_nic) (a node's NICs, four
 all-to-alls), CrossPairs the pairs node z sends to / receives from other nodes, mig(e, g) = 0 if g is e's
-previous GPU, else the bytes of an expert's migration the step waits for (its weights when the optimizer
-state travels during the step) over G NICs (G NVLinks inside a node): the spread-out cost of moving it. smax_k x_k = (s / b) log sum_k exp(b x_k / s) with s the mean node load of (m, l) and b the
+previous GPU, else the bytes of an expert's migration the step waits for (its weights, and the share of its
+optimizer state that travels while the all-to-alls run) over G NICs (G NVLinks inside a node): the spread-out cost
+of moving it. smax_k x_k = (s / b) log sum_k exp(b x_k / s) with s the mean node load of (m, l) and b the
 config's `smooth_beta` (the "objective smoothing").
 
 Solver: simulated annealing over swaps of two experts on different GPUs, all layers advanced in lockstep
@@ -63,10 +64,12 @@ class ReorderWeights:
     beta: float
 
     @classmethod
-    def from_config(cls, cfg, cost: CostModel, topo: Topology) -> ReorderWeights:
+    def from_config(cls, cfg, cost: CostModel, topo: Topology, alltoall_share: float = 1.0) -> ReorderWeights:
+        """`alltoall_share`: the part of a step the all-to-alls take, which decides how much of a migration's
+        optimizer state the step waits for (relibra.cost_model); 1 counts all of it."""
         c_pair = cost.gemm_us_per_token * (1.0 + cost.backward_factor)
         Q, G = topo.node_size, topo.num_gpus
-        per_expert = cost.exposed_migration_bytes_per_expert()
+        per_expert = cost.exposed_migration_bytes_per_expert(alltoall_share)
         return cls(
             node=cfg.reorder_node_weight * c_pair / Q,
             gpu=cfg.reorder_gpu_weight * c_pair,

@@ -163,11 +163,15 @@ def _reference_step(plan, loads, topk, topo, cost, prev_home):
         * (cost.optimizer_bytes_per_param - cost.weight_bytes_per_param)
         / cost.optimizer_shards
     )
-    if cost.overlap_optimizer_state:  # the state travels while the experts compute
-        migration = transfer(weights) + max(0.0, transfer(state) - compute)
+    non_moe = sum(L * (1 + cost.backward_factor) * max(attn[m]) for m in range(M))
+    if (
+        cost.overlap_optimizer_state
+    ):  # the state travels during the step, sharing the links with the all-to-alls
+        span = alltoall + compute + non_moe
+        t = transfer(state)
+        migration = transfer(weights) + alltoall / span * min(t, span) + max(0.0, t - span)
     else:
         migration = transfer(weights + state)
-    non_moe = sum(L * (1 + cost.backward_factor) * max(attn[m]) for m in range(M))
     return compute, alltoall, replication, migration, non_moe, cross_bytes
 
 
@@ -199,32 +203,42 @@ def test_step_cost_matches_loops(setup, attention, overlap, shards):
         assert got.replication_us > 0
 
 
-def test_migration_state_hides_behind_compute_only_as_far_as_it_lasts(setup):
-    """One expert moves across nodes: the step waits for its weights, and for its optimizer state only past the
-    step's expert compute (or, without the overlap, for everything: the paper's accounting)."""
+def test_migration_state_is_exposed_where_it_meets_the_alltoalls(setup):
+    """One expert moves across nodes: the step waits for its weights, and for its optimizer state as far as the
+    transfer, spread over the step, meets the all-to-alls or outlasts the step (or, without the overlap, for
+    everything: the paper's accounting)."""
     trace, topo, plan = setup
     loads = trace.loads_NMLSE[0]
     prev = plan.home_LE.copy()
     a = int(np.flatnonzero(topo.node_of_gpu()[prev[0]] == 0)[0])  # an expert of node 0 and one of node 1
     b = int(np.flatnonzero(topo.node_of_gpu()[prev[0]] == 1)[0])
     prev[0, [a, b]] = prev[0, [b, a]]
-    weights = COST.expert_params * COST.weight_bytes_per_param / (COST.nic_gb_per_s * 1e3)
-    state = COST.expert_params * 12 / (COST.nic_gb_per_s * 1e3)
     lat = COST.transfer_latency_us
-    for slow in (1e-3, 1e4):  # the compute shorter, then far longer, than the state's transfer
+    shares = []
+    for state_bytes, slow in ((12, 1.0), (12, 1e3), (12_000, 1.0)):  # default; compute-heavy; a huge state
         cost = dataclasses.replace(
-            COST, gemm_us_per_token=COST.gemm_us_per_token * slow, gemm_us_fixed=COST.gemm_us_fixed * slow
+            COST,
+            gemm_us_per_token=COST.gemm_us_per_token * slow,
+            optimizer_bytes_per_param=COST.weight_bytes_per_param + state_bytes,
         )
+        weights = cost.expert_params * cost.weight_bytes_per_param / (cost.nic_gb_per_s * 1e3) + lat
+        state = cost.expert_params * state_bytes / (cost.nic_gb_per_s * 1e3) + lat
         got = step_cost(plan, loads, 4, topo, cost, prev)
-        want = weights + lat + max(0.0, state + lat - got.compute_us)
+        span = got.alltoall_us + got.compute_us + got.non_moe_us
+        share = got.alltoall_us / span
+        assert got.alltoall_share == pytest.approx(share, rel=1e-12)
+        want = weights + share * min(state, span) + max(0.0, state - span)
         assert got.migration_us == pytest.approx(want, rel=1e-12)
-        assert (want > weights + lat) == (slow < 1)  # both cases happen
-        assert got.migration_bytes == 2 * (weights + state) * COST.nic_gb_per_s * 1e3
+        assert (state > span) == (state_bytes > 12)  # the huge state outlasts the step
         paper = step_cost(
             plan, loads, 4, topo, dataclasses.replace(cost, overlap_optimizer_state=False), prev
         )
-        assert paper.migration_us == pytest.approx(weights + state + lat, rel=1e-12)
-    assert got.migration_us == pytest.approx(weights + lat, rel=1e-12)
+        assert paper.migration_us == pytest.approx(
+            cost.expert_params * (2 + state_bytes) / (cost.nic_gb_per_s * 1e3) + lat, rel=1e-12
+        )
+        assert got.migration_us < paper.migration_us
+        shares.append(share)
+    assert shares[1] < shares[0] / 10  # longer compute: less of the state meets an all-to-all
 
 
 def test_ideal_step_time_equals_closed_form(setup):

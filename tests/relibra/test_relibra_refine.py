@@ -43,7 +43,7 @@ def test_objective_is_the_placement_floor_plus_migration(G, Q):
     F = floor_objective_L(prob, home).sum()
     latency = NUM_ALLTOALLS * COST.alltoall_latency_us * (loads.sum(axis=(2, 3)) > 0).sum()
     node = np.arange(G) // Q
-    per_expert = COST.exposed_migration_bytes_per_expert()  # the weights: the state travels during the step
+    per_expert = COST.exposed_migration_bytes_per_expert(1.0)  # _problem's weights count all of the state
     moved = home != prev
     same_node = node[home] == node[prev]
     migration = (moved & ~same_node).sum() * COST.nic_us(per_expert) / G
