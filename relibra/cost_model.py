@@ -204,8 +204,12 @@ class StepCost:
     @property
     def alltoall_share(self) -> float:
         """The fraction of the step's dispatch, compute and attention time that the all-to-alls take."""
-        span = self.alltoall_us + self.compute_us + self.non_moe_us
-        return self.alltoall_us / span if span > 0 else 0.0
+        return _share(self.alltoall_us, self.compute_us + self.non_moe_us)
+
+
+def _share(alltoall_us: float, idle_us: float) -> float:
+    span = alltoall_us + idle_us
+    return alltoall_us / span if span > 0 else 0.0
 
 
 def _attention_us_MG(loads_MLSE: np.ndarray, topk: int, cost: CostModel) -> np.ndarray:
@@ -315,8 +319,7 @@ def _migration(
     t_weights, b_weights = _transfer_us(src, dst, np.full(len(src), weights), topo, cost)
     t_state, b_state = _transfer_us(src, dst, np.full(len(src), state), topo, cost)
     span = alltoall_us + idle_us
-    share = alltoall_us / span if span > 0 else 0.0
-    exposed = share * min(t_state, span) + max(0.0, t_state - span)
+    exposed = _share(alltoall_us, idle_us) * min(t_state, span) + max(0.0, t_state - span)
     return t_weights + exposed, b_weights + b_state
 
 

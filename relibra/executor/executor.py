@@ -375,7 +375,7 @@ class ExpertExecutor:
     def end_step(self) -> dict[str, float]:
         """Stop routing by the plan (the placement stays); return the step's metrics (`relibra/exec_*`)."""
         step, self._step = self._step, None
-        self.land_state()  # a step skipped for non-finite gradients never ran the engine's state hooks
+        self.land_state()  # when the step stopped before the optimizer step (an error, forward_backward alone)
         for layer, home in zip(self.layers, self._home_dispatchers, strict=True):
             layer.token_dispatcher = home
             layer.experts.weight_provider = None

@@ -105,7 +105,7 @@ class StateMigration:
 
     def progress(self) -> None:
         """Land every leading chunk whose transfers completed and post the next ones; never waits."""
-        while self._queue and self._posted and self._queue[0].completed():
+        while self._queue and self._queue[0].completed():  # the head of the queue is always posted
             self._land_first()
 
     def finish(self) -> None:
