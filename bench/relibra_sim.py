@@ -1,7 +1,7 @@
 """ReLibra simulator benchmark: the issue's Targets table on the real Qwen3-30B-A3B routing and on the generator.
 
     python bench/relibra_sim.py [--json bench/out/relibra_sim.json] [--gen-steps 3] [--tokens-per-rank 4096]
-        [--seed 0]
+        [--seed 0] [--nic-routing direct|pxn]
 
 For each dataset (real routing logs cut into 256-token micro-batches; synthetic RL-like loads with 32 micro-batches
 of `--tokens-per-rank` tokens per source rank, 48 layers, 128 experts) at EP 16 and 32, 8 GPUs per node and 2
@@ -15,6 +15,8 @@ pays a one-time migration out of it); and it times
 the relibra planner on one step of 32 micro-batches x 48 layers x 128 experts at EP 32 (wall and CPU seconds,
 1 and 2 threads, with the machine's load average), cold (from a fresh state, Megatron's static placement) and warm
 (from the previous step's state, as in training). Prints tables; writes everything to --json.
+`--nic-routing pxn` simulates NCCL's default routing on rail-optimised nodes instead of the planners' direct one
+(relibra.cost_model; default JSON bench/out/relibra_sim_pxn.json).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from relibra.config import RelibraConfig
-from relibra.cost_model import CostModel, moe_lower_bound_us
+from relibra.cost_model import NIC_ROUTINGS, CostModel, moe_lower_bound_us
 from relibra.loads import LoadTrace, loads_from_vllm_logs
 from relibra.plan import PlannerState, Topology
 from relibra.planners import PlanContext, run_planner
@@ -144,13 +146,20 @@ def _planning_time(trace: LoadTrace, cost: CostModel, repeats: int) -> list[dict
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", default=str(ROOT / "bench" / "out" / "relibra_sim.json"))
+    p.add_argument("--json", help="default: bench/out/relibra_sim[_pxn].json")
     p.add_argument("--gen-steps", type=int, default=3)
     p.add_argument("--tokens-per-rank", type=int, default=4096)
     p.add_argument("--timing-repeats", type=int, default=6)
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic loads")
+    p.add_argument(
+        "--nic-routing", choices=NIC_ROUTINGS, help="override the cost model's nic_routing (default: direct)"
+    )
     args = p.parse_args()
     cost = CostModel.from_yaml()
+    if args.nic_routing:
+        cost = dataclasses.replace(cost, nic_routing=args.nic_routing)
+    suffix = "" if cost.nic_routing == "direct" else f"_{cost.nic_routing}"
+    args.json = args.json or str(ROOT / "bench" / "out" / f"relibra_sim{suffix}.json")
     cfg = RelibraConfig()
     results: dict = {"cost_model": dataclasses.asdict(cost), "config": dataclasses.asdict(cfg), "runs": []}
     if ROUTING.is_dir():

@@ -4,9 +4,16 @@ Per (micro-batch m, layer l), everything in microseconds:
 
 - compute(m, l) = max_g sum_{instances i on g} (1 + f_bwd) t_gemm(n_i),
   t_gemm(n) = a ceil(n / tile) tile + b [n > 0].
-- all-to-all(m, l) = 4 (max over GPUs and directions of max(nic_bytes / B_nic, nvlink_bytes / B_nvl) + lat);
-  bytes = pairs x hidden x 2 (bf16); pairs computed on their own source GPU cost nothing; dispatch and combine,
-  forward and backward.
+- all-to-all(m, l) = 2 dispatch-like (source -> expert: forward dispatch, backward combine) + 2 combine-like
+  (expert -> source), each max over GPUs and directions of max(nic_bytes / B_nic, nvlink_bytes / B_nvl) + lat;
+  bytes = pairs x hidden x 2 (bf16); pairs computed on their own source GPU cost nothing. Which NIC a cross-node
+  pair uses is `nic_routing`:
+    direct: the sender's own NIC out, the receiver's own NIC in (NCCL with PXN off); the two kinds then cost the
+      same (one is the other's mirror);
+    pxn: NCCL's default on rail-optimised nodes (NCCL_P2P_PXN_LEVEL=2: the send side of a peer connection uses the
+      NIC of the sending node's GPU with the receiver's local index, reached over NVLink; the receiver uses its
+      own NIC): a pair to GPU (node y, local index r) leaves through NIC r of the sender's node, after an NVLink
+      hop to that GPU when the sender's local index is not r.
 - replication(m, l) (per-(m, l) replicas): forward max_g max(0, push_g / B_nvl - attn_g), backward
   max_g max(0, (push_g + grads_g) / B_nvl - f_bwd attn_g), where push_g / grads_g are the bf16 weights / fp32
   gradients GPU g receives or sends (the larger), attn_g its attention time (the window that hides them).
@@ -47,6 +54,7 @@ import numpy as np
 from relibra.plan import Plan, Topology
 
 __all__ = [
+    "NIC_ROUTINGS",
     "CostModel",
     "StepCost",
     "ideal_step_cost",
@@ -56,6 +64,7 @@ __all__ = [
 ]
 
 NUM_ALLTOALLS = 4  # dispatch + combine, forward + backward
+NIC_ROUTINGS = ("direct", "pxn")
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,7 @@ class CostModel:
     optimizer_bytes_per_param: int = 14
     optimizer_shards: int = 1
     overlap_optimizer_state: bool = True
+    nic_routing: str = "direct"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -86,6 +96,9 @@ class CostModel:
             if f.type == "bool":
                 if not isinstance(value, bool):
                     raise ValueError(f"CostModel.{f.name} must be true or false, got {value!r}")
+            elif f.type == "str":
+                if value not in NIC_ROUTINGS:
+                    raise ValueError(f"CostModel.{f.name} must be one of {NIC_ROUTINGS}, got {value!r}")
             elif not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"CostModel.{f.name} must be a non-negative number, got {value!r}")
         for name in ("gemm_tile", "nvlink_gb_per_s", "nic_gb_per_s", "optimizer_shards", "hidden_size"):
@@ -235,18 +248,42 @@ def _link_time_us(nic_bytes: np.ndarray, nvl_bytes: np.ndarray, cost: CostModel,
     return np.maximum(cost.nic_us(nic_bytes.max(axis=axis)), cost.nvlink_us(nvl_bytes.max(axis=axis)))
 
 
-def _alltoall(plan: Plan, topo: Topology, cost: CostModel) -> tuple[float, float]:
-    traffic_MLGS = plan.quota_MLGJS.sum(axis=3, dtype=np.int64)  # dest GPU g, source rank s
+def _one_way_us(flow_MLAB: np.ndarray, topo: Topology, cost: CostModel) -> np.ndarray:
+    """Link time [M, L] of one all-to-all whose pairs go from GPU a to GPU b (module docstring, `nic_routing`)."""
+    M, L, G, _ = flow_MLAB.shape
+    Z, Q = topo.num_nodes, topo.node_size
     node = topo.node_of_gpu()
     same = node[:, None] == node[None, :]
-    local = np.eye(topo.num_gpus, dtype=bool)
-    cross = traffic_MLGS * ~same
-    nvl = traffic_MLGS * (same & ~local)
-    nic_io = np.concatenate([cross.sum(axis=3), cross.sum(axis=2)], axis=-1) * cost.pair_bytes
-    nvl_io = np.concatenate([nvl.sum(axis=3), nvl.sum(axis=2)], axis=-1) * cost.pair_bytes
+    cross = flow_MLAB * ~same
+    intra = flow_MLAB * (same & ~np.eye(G, dtype=bool))
+    nic_in, nvl_out, nvl_in = cross.sum(axis=2), intra.sum(axis=3), intra.sum(axis=2)
+    if cost.nic_routing == "direct":
+        nic_out = cross.sum(axis=3)
+    else:
+        # [m, l, sender node, sender index, receiver node, receiver index]
+        cross6 = cross.reshape(M, L, Z, Q, Z, Q)
+        nic_out = cross6.sum(axis=(3, 4)).reshape(M, L, G)  # NIC (sender node, receiver index)
+        by_rail = cross6.sum(axis=4)  # [m, l, sender node, sender index, receiver index]
+        own = np.einsum("mlzqq->mlzq", by_rail)  # no hop: the sender holds the receiver's index
+        nvl_out = nvl_out + (by_rail.sum(axis=-1) - own).reshape(M, L, G)
+        nvl_in = nvl_in + (by_rail.sum(axis=3) - own).reshape(M, L, G)
+    nic = np.concatenate([nic_out, nic_in], axis=-1) * cost.pair_bytes
+    nvl = np.concatenate([nvl_out, nvl_in], axis=-1) * cost.pair_bytes
+    return _link_time_us(nic, nvl, cost, axis=-1)
+
+
+def _alltoall(plan: Plan, topo: Topology, cost: CostModel) -> tuple[float, float]:
+    traffic_MLGS = plan.quota_MLGJS.sum(axis=3, dtype=np.int64)  # dest GPU g, source rank s
+    combine = _one_way_us(traffic_MLGS, topo, cost)
+    if cost.nic_routing == "direct":
+        dispatch = combine  # the mirror of the combine: the same sends and receives
+    else:
+        dispatch = _one_way_us(traffic_MLGS.transpose(0, 1, 3, 2), topo, cost)
     busy = traffic_MLGS.sum(axis=(2, 3)) > 0
-    per_ml = _link_time_us(nic_io, nvl_io, cost, axis=-1) + cost.alltoall_latency_us * busy
-    return NUM_ALLTOALLS * float(per_ml.sum()), NUM_ALLTOALLS * float(cross.sum()) * cost.pair_bytes
+    per_ml = (NUM_ALLTOALLS // 2) * (dispatch + combine) + NUM_ALLTOALLS * cost.alltoall_latency_us * busy
+    node = topo.node_of_gpu()
+    cross_pairs = (traffic_MLGS * (node[:, None] != node[None, :])).sum()
+    return float(per_ml.sum()), NUM_ALLTOALLS * float(cross_pairs) * cost.pair_bytes
 
 
 def _transient_replication_us(plan: Plan, attn_MG: np.ndarray, cost: CostModel) -> float:
@@ -284,20 +321,25 @@ def _persistent_replication_us(plan: Plan, topo: Topology, cost: CostModel) -> f
 
 
 def _transfer_us(src_X: np.ndarray, dst_X: np.ndarray, bytes_X: np.ndarray, topo: Topology, cost: CostModel):
-    """Time of one batch of point-to-point transfers: max over GPUs and directions, NIC vs NVLink, + latency."""
+    """Time of one batch of point-to-point transfers: max over GPUs and directions, NIC vs NVLink, + latency
+    (cross-node transfers leave through the NIC that `nic_routing` picks, as in the all-to-alls)."""
     moving = src_X != dst_X
     if not moving.any():
         return 0.0, 0.0
     src, dst, nbytes = src_X[moving], dst_X[moving], bytes_X[moving]
     node = topo.node_of_gpu()
     cross = node[src] != node[dst]
-    G = topo.num_gpus
+    G, Q = topo.num_gpus, topo.node_size
+    exit_gpu = src if cost.nic_routing == "direct" else node[src] * Q + dst % Q
+    hop = cross & (exit_gpu != src)
     nic = np.zeros(2 * G)
     nvl = np.zeros(2 * G)
-    np.add.at(nic, src[cross], nbytes[cross])
+    np.add.at(nic, exit_gpu[cross], nbytes[cross])
     np.add.at(nic, G + dst[cross], nbytes[cross])
     np.add.at(nvl, src[~cross], nbytes[~cross])
     np.add.at(nvl, G + dst[~cross], nbytes[~cross])
+    np.add.at(nvl, src[hop], nbytes[hop])
+    np.add.at(nvl, G + exit_gpu[hop], nbytes[hop])
     time = float(max(cost.nic_us(nic.max()), cost.nvlink_us(nvl.max()))) + cost.transfer_latency_us
     return time, float(nbytes[cross].sum())
 
@@ -355,15 +397,17 @@ def ideal_step_cost(loads_MLSE: np.ndarray, topk: int, topo: Topology, cost: Cos
     """Closed form of the ideal reference: per (m, l), with W_e the pairs of expert e and P = sum_e W_e,
 
     compute = (1 + f_bwd) sum_e t_gemm(W_e) / G,
-    all-to-all = 4 (max((P / G) ((G - Q) / G) bytes / B_nic, (P / G) ((Q - 1) / G) bytes / B_nvl) + lat [P > 0]),
-    no replication, no migration; skew 1.
+    all-to-all = 4 (max((P / G) ((G - Q) / G) bytes / B_nic, (P / G) v bytes / B_nvl) + lat [P > 0]),
+    v = (Q - 1) / G (direct routing; with pxn the pairs to other nodes' GPUs of another local index add an NVLink
+    hop: v = (Q - 1) / G + ((G - Q) / G) ((Q - 1) / Q) = (Q - 1) / Q), no replication, no migration; skew 1.
     """
     G, Q = topo.num_gpus, topo.node_size
     W_MLE = loads_MLSE.sum(axis=2)
     P_ML = W_MLE.sum(axis=-1).astype(np.float64)
     compute = float(cost.train_gemm_us(W_MLE).sum() / G)
     per_gpu_bytes = P_ML / G * cost.pair_bytes
-    link = np.maximum(cost.nic_us(per_gpu_bytes * (G - Q) / G), cost.nvlink_us(per_gpu_bytes * (Q - 1) / G))
+    nvl_share = (Q - 1) / G if cost.nic_routing == "direct" else (Q - 1) / Q
+    link = np.maximum(cost.nic_us(per_gpu_bytes * (G - Q) / G), cost.nvlink_us(per_gpu_bytes * nvl_share))
     alltoall = NUM_ALLTOALLS * float((link + cost.alltoall_latency_us * (P_ML > 0)).sum())
     cross_bytes = NUM_ALLTOALLS * float(P_ML.sum()) * (G - Q) / G * cost.pair_bytes
     return StepCost(
@@ -387,12 +431,14 @@ def moe_lower_bound_us(loads_MLSE: np.ndarray, topk: int, topo: Topology, cost: 
     all-to-all latency if the micro-batch routes anything:
       no copy:   max(sum_e t(W_e) / G, max_e t(W_e)) + 4 (max(sum_e far_e / G, max_e far_e) bytes / B_nic + lat)
       any copy:  sum_e t(W_e) / G + 4 (sum_e far_e / G bytes / B_nic + lat) + rep,
+    (with pxn routing only the 2 dispatch-like all-to-alls count max_e far_e: the combine-like ones send an
+    expert's results through all NICs of its node),
     rep = max(0, lat_p + w / B_nvl - attn) + max(0, lat_p + (w + g) / B_nvl - f_bwd attn) (one expert's weights w
     pushed and gradients g returned, attn the largest attention window of a source rank); the bound is the sum over
     (m, l) of the smaller of the two. Why it holds: splitting a GEMM never lowers its total time (t is subadditive),
     a GPU computes at least the mean, an unsplit expert sits on one GPU; all pairs of an expert are served in one
-    node, so at least far_e of them cross a NIC (at least the mean per GPU, all on one GPU without copies); a copy
-    costs at least one push and gradient return on the GPU that gets it.
+    node, so at least far_e of them cross a NIC (at least the mean per GPU, all into one GPU's own NIC without
+    copies); a copy costs at least one push and gradient return on the GPU that gets it.
     """
     M, L, _S, E = loads_MLSE.shape
     G, Q, Z = topo.num_gpus, topo.node_size, topo.num_nodes
@@ -411,7 +457,9 @@ def moe_lower_bound_us(loads_MLSE: np.ndarray, topk: int, topo: Topology, cost: 
     rep_M1 = np.maximum(0.0, cost.transfer_latency_us + cost.nvlink_us(w_bytes) - attn_M1) + np.maximum(
         0.0, cost.transfer_latency_us + cost.nvlink_us(w_bytes + g_bytes) - cost.backward_factor * attn_M1
     )
-    whole = comp_whole + NUM_ALLTOALLS * (nic_whole + lat_ML)
+    whole_share = 1.0 if cost.nic_routing == "direct" else 0.5
+    nic_no_copy = whole_share * nic_whole + (1.0 - whole_share) * nic_split
+    whole = comp_whole + NUM_ALLTOALLS * (nic_no_copy + lat_ML)
     split = comp_split + NUM_ALLTOALLS * (nic_split + lat_ML) + rep_M1
     return float(np.minimum(whole, split).sum())
 
@@ -425,12 +473,16 @@ def placement_floor_us(loads_MLSE: np.ndarray, home_LE: np.ndarray, topo: Topolo
     Send_s the pairs of source rank s to experts homed on other nodes, c = a (1 + f_bwd), lat the all-to-all latency
     if the micro-batch routes anything:
 
-      c max_z NL_z / Q + 4 (max(max_z Recv_z / Q, max_s Send_s) bytes / B_nic + lat).
+      direct routing:  c max_z NL_z / Q + 4 (max(max_z Recv_z / Q, max_s Send_s) bytes / B_nic + lat),
+      pxn routing:     c max_z NL_z / Q + 2 (max(max_z Recv_z / Q, max_z Sent_z / Q) bytes / B_nic + lat)
+                                        + 2 (max(max_z Recv_z / Q, max_s Send_s) bytes / B_nic + lat),
+    Sent_z = sum of Send_s over node z's sources.
 
     Why it holds: t(n) >= c n / (1 + f_bwd) (the tile only rounds up); node z's pairs are computed on its Q GPUs, so
     one of them computes at least NL_z / Q; they also receive Recv_z over their NICs, one at least Recv_z / Q; a
-    pair of source s to another node's expert is served in that node and leaves through s's own NIC; replica
-    transfers only add time.
+    pair of source s to another node's expert is served in that node and crosses s's own NIC (direct: both ways;
+    pxn: only on its way back, its way out leaves through one of the Q NICs of s's node, and the results of
+    Recv_z leave through node z's Q NICs); replica transfers only add time.
     """
     M, L, _S, E = loads_MLSE.shape
     Z, Q = topo.num_nodes, topo.node_size
@@ -443,6 +495,12 @@ def placement_floor_us(loads_MLSE: np.ndarray, home_LE: np.ndarray, topo: Topolo
     away_LSE = node_LE[:, None, :] != topo.node_of_gpu()[None, :, None]
     send_MLS = np.einsum("mlse,lse->mls", loads_MLSE, away_LSE)
     compute = cost.gemm_us_per_token * (1.0 + cost.backward_factor) * NL_MLZ.max(axis=-1) / Q
-    nic_pairs = np.maximum(recv_MLZ.max(axis=-1) / Q, send_MLS.max(axis=-1))
+    recv = recv_MLZ.max(axis=-1) / Q
+    combine = np.maximum(recv, send_MLS.max(axis=-1))
+    if cost.nic_routing == "direct":
+        dispatch = combine
+    else:
+        dispatch = np.maximum(recv, send_MLS.reshape(M, L, Z, Q).sum(axis=-1).max(axis=-1) / Q)
+    nic_us = cost.nic_us((dispatch + combine) * cost.pair_bytes) * (NUM_ALLTOALLS // 2)
     lat = cost.alltoall_latency_us * (W_MLE.sum(axis=-1) > 0)
-    return float((compute + NUM_ALLTOALLS * (cost.nic_us(nic_pairs * cost.pair_bytes) + lat)).sum())
+    return float((compute + nic_us + NUM_ALLTOALLS * lat).sum())

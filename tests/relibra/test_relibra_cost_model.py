@@ -35,7 +35,10 @@ def test_defaults_and_yaml_errors(tmp_path):
         dataclasses.replace(COST, nic_gb_per_s=-1.0)
     with pytest.raises(ValueError, match="true or false"):
         dataclasses.replace(COST, overlap_optimizer_state=1)
+    with pytest.raises(ValueError, match="nic_routing must be one of"):
+        dataclasses.replace(COST, nic_routing="rail")
     assert COST.overlap_optimizer_state  # what relibra.executor does
+    assert COST.nic_routing == "direct"  # what the planners plan for
 
 
 def test_gemm_formula():
@@ -67,18 +70,30 @@ def test_other_expert_shape_scales_gemm_time_and_transfers():
         COST.for_expert_shape(0, 768)
 
 
-@pytest.fixture(scope="module")
-def setup():
+def _setup(num_nodes: int):
+    G = 4 * num_nodes
     params = SyntheticLoads(
-        num_steps=2, num_microbatches=3, num_layers=2, num_source_ranks=8, num_experts=16, topk=4,
+        num_steps=2, num_microbatches=3, num_layers=2, num_source_ranks=G, num_experts=2 * G, topk=4,
         tokens_per_rank=768, group_size=4,
     )  # fmt: skip
     trace = generate_loads(params)
-    topo = Topology(8, 4, 16, 2)
+    topo = Topology(G, 4, 2 * G, 2)
     ctx = PlanContext(topo, RelibraConfig(min_replica_tokens=32), COST, 4)
     plan, _ = run_planner("relibra", trace.loads_NMLSE[0], ctx, PlannerState())
     assert (plan.slots_MLGJ[..., 2:] >= 0).any()
     return trace, topo, plan
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return _setup(2)
+
+
+@pytest.fixture(scope="module")
+def setup3():
+    """Three nodes: with pxn routing a node's sends spread over its NICs by the receivers' local index, which two
+    nodes cannot tell apart from direct routing."""
+    return _setup(3)
 
 
 def _reference_step(plan, loads, topk, topo, cost, prev_home):
@@ -105,19 +120,30 @@ def _reference_step(plan, loads, topk, topo, cost, prev_home):
                         )
                 per_gpu.append(t)
             compute += max(per_gpu)
-            nic = np.zeros((2, G))
-            nvl = np.zeros((2, G))
-            for g in range(G):
-                for s in range(S):
-                    n = plan.quota_MLGJS[m, layer, g, :, s].sum() * pb
-                    if s == g:
-                        continue
-                    link = nic if node[s] != node[g] else nvl
-                    link[0, s] += n
-                    link[1, g] += n
-                    cross_bytes += 4 * n * (node[s] != node[g])
-            t = max(nic.max() / (cost.nic_gb_per_s * 1e3), nvl.max() / (cost.nvlink_gb_per_s * 1e3))
-            alltoall += 4 * (t + cost.alltoall_latency_us)
+            # Source -> expert GPU and back, each twice (forward and backward).
+            for way in ("dispatch", "combine"):
+                nic = np.zeros((2, G))  # [out, in]
+                nvl = np.zeros((2, G))
+                for g in range(G):
+                    for s in range(S):
+                        n = plan.quota_MLGJS[m, layer, g, :, s].sum() * pb
+                        a, b = (s, g) if way == "dispatch" else (g, s)
+                        if a == b:
+                            continue
+                        if node[a] == node[b]:
+                            nvl[0, a] += n
+                            nvl[1, b] += n
+                            continue
+                        if way == "dispatch":
+                            cross_bytes += 4 * n
+                        exit_gpu = a if cost.nic_routing == "direct" else node[a] * Q + b % Q
+                        nic[0, exit_gpu] += n
+                        nic[1, b] += n
+                        if exit_gpu != a:  # pxn: over NVLink to the GPU of the NIC first
+                            nvl[0, a] += n
+                            nvl[1, exit_gpu] += n
+                t = max(nic.max() / (cost.nic_gb_per_s * 1e3), nvl.max() / (cost.nvlink_gb_per_s * 1e3))
+                alltoall += 2 * (t + cost.alltoall_latency_us)
             copies = np.zeros(G)
             outgoing = np.zeros(G)
             for g in range(G):
@@ -144,9 +170,16 @@ def _reference_step(plan, loads, topk, topo, cost, prev_home):
                 a, b = prev_home[layer, e], plan.home_LE[layer, e]
                 if a != b:
                     moved = True
-                    k = int(node[a] == node[b])  # 0: NIC, 1: NVLink
-                    sent[k, a] += per_expert
-                    recv[k, b] += per_expert
+                    if node[a] == node[b]:  # [0]: NIC, [1]: NVLink
+                        sent[1, a] += per_expert
+                        recv[1, b] += per_expert
+                        continue
+                    exit_gpu = a if cost.nic_routing == "direct" else node[a] * Q + b % Q
+                    sent[0, exit_gpu] += per_expert
+                    recv[0, b] += per_expert
+                    if exit_gpu != a:
+                        sent[1, a] += per_expert
+                        recv[1, exit_gpu] += per_expert
         if not moved:
             return 0.0
         return (
@@ -176,12 +209,25 @@ def _reference_step(plan, loads, topk, topo, cost, prev_home):
 
 
 @pytest.mark.parametrize(
-    ("attention", "overlap", "shards"), [(0.15, True, 1), (0.0, True, 1), (0.15, False, 1), (0.15, True, 4)]
+    ("attention", "overlap", "shards", "routing", "nodes"),
+    [
+        (0.15, True, 1, "direct", 2),
+        (0.0, True, 1, "direct", 2),
+        (0.15, False, 1, "direct", 2),
+        (0.15, True, 4, "direct", 2),
+        (0.15, True, 1, "direct", 3),
+        (0.15, True, 1, "pxn", 3),
+        (0.0, False, 1, "pxn", 2),
+    ],
 )
-def test_step_cost_matches_loops(setup, attention, overlap, shards):
-    trace, topo, plan = setup
+def test_step_cost_matches_loops(setup, setup3, attention, overlap, shards, routing, nodes):
+    trace, topo, plan = setup if nodes == 2 else setup3
     cost = dataclasses.replace(  # attention 0: every push is exposed
-        COST, attention_us_per_token=attention, overlap_optimizer_state=overlap, optimizer_shards=shards
+        COST,
+        attention_us_per_token=attention,
+        overlap_optimizer_state=overlap,
+        optimizer_shards=shards,
+        nic_routing=routing,
     )
     loads = trace.loads_NMLSE[0]
     prev = np.random.default_rng(0).permuted(static_home_LE(2, topo), axis=1)
@@ -201,6 +247,9 @@ def test_step_cost_matches_loops(setup, attention, overlap, shards):
     )
     if attention == 0.0:
         assert got.replication_us > 0
+    if nodes == 3:  # the routing matters with three nodes
+        other = dataclasses.replace(cost, nic_routing="pxn" if routing == "direct" else "direct")
+        assert step_cost(plan, loads, 4, topo, other, prev).alltoall_us != pytest.approx(got.alltoall_us)
 
 
 def test_migration_state_is_exposed_where_it_meets_the_alltoalls(setup):
@@ -241,8 +290,10 @@ def test_migration_state_is_exposed_where_it_meets_the_alltoalls(setup):
     assert shares[1] < shares[0] / 10  # longer compute: less of the state meets an all-to-all
 
 
-def test_ideal_step_time_equals_closed_form(setup):
-    trace, topo, _ = setup
+@pytest.mark.parametrize("routing", ["direct", "pxn"])
+def test_ideal_step_time_equals_closed_form(setup3, routing):
+    trace, topo, _ = setup3
+    cost = dataclasses.replace(COST, nic_routing=routing, nvlink_gb_per_s=COST.nic_gb_per_s)  # NVLink binds
     G, Q = topo.num_gpus, topo.node_size
     pb = COST.hidden_size * COST.activation_bytes
     want = 0.0
@@ -252,12 +303,16 @@ def test_ideal_step_time_equals_closed_form(setup):
                 W = trace.loads_NMLSE[n, m, layer].sum(axis=0)
                 P = W.sum()
                 compute = sum((1 + COST.backward_factor) * COST.gemm_us(np.array(w)) for w in W) / G
-                nic = P / G * (G - Q) / G * pb / (COST.nic_gb_per_s * 1e3)
-                nvl = P / G * (Q - 1) / G * pb / (COST.nvlink_gb_per_s * 1e3)
-                want += compute + 4 * (max(nic, nvl) + COST.alltoall_latency_us)
-    direct = sum(ideal_step_cost(trace.loads_NMLSE[n], 4, topo, COST).moe_us for n in range(trace.num_steps))
+                nic = P / G * (G - Q) / G * pb / (cost.nic_gb_per_s * 1e3)
+                # Uniform traffic: P / G^2 pairs between every two GPUs; with pxn a GPU also relays, over NVLink,
+                # what its node's other GPUs send to its rail in the other nodes.
+                to_peers = P / G**2 * (Q - 1)
+                relayed = P / G**2 * (Q - 1) * (G - Q) / Q if routing == "pxn" else 0.0
+                nvl = (to_peers + relayed) * pb / (cost.nvlink_gb_per_s * 1e3)
+                want += compute + 4 * (max(nic, nvl) + cost.alltoall_latency_us)
+    direct = sum(ideal_step_cost(trace.loads_NMLSE[n], 4, topo, cost).moe_us for n in range(trace.num_steps))
     assert direct == pytest.approx(want, rel=1e-12)
-    rows = simulate_trace(trace, topo, RelibraConfig(), COST, plans=["ideal"])
+    rows = simulate_trace(trace, topo, RelibraConfig(), cost, plans=["ideal"])
     assert rows[0].moe_us == pytest.approx(want, rel=1e-12)
     assert rows[0].moe_vs_ideal == pytest.approx(1.0)
     assert rows[0].mean_skew == 1.0
@@ -285,11 +340,13 @@ def test_trace_with_one_node_has_no_cross_traffic():
     assert all(r.cross_node_gb_per_step == 0 for r in rows)
 
 
-@pytest.mark.parametrize("attention", [0.15, 0.0])
-def test_lower_bound_holds_for_relibra_style_plans(setup, attention):
+@pytest.mark.parametrize(
+    ("attention", "routing"), [(0.15, "direct"), (0.0, "direct"), (0.15, "pxn"), (0.0, "pxn")]
+)
+def test_lower_bound_holds_for_relibra_style_plans(setup3, attention, routing):
     """Every plan whose copies stay in the owner's node costs at least the bound, replicas exposed or hidden."""
-    trace, topo, _plan = setup
-    cost = dataclasses.replace(COST, attention_us_per_token=attention)
+    trace, topo, _plan = setup3
+    cost = dataclasses.replace(COST, attention_us_per_token=attention, nic_routing=routing)
     ctx = PlanContext(topo, RelibraConfig(min_replica_tokens=32), cost, 4)
     for n in range(trace.num_steps):
         loads = trace.loads_NMLSE[n]
@@ -312,13 +369,14 @@ def _placements(E: int, G: int) -> np.ndarray:
     return np.array(sorted(seen))
 
 
-def test_lower_bound_against_every_placement():
+@pytest.mark.parametrize("routing", ["direct", "pxn"])
+def test_lower_bound_against_every_placement(routing):
     """Brute force: 8 experts on 4 GPUs in 2 nodes, one micro-batch with a hot expert; with pushes that cannot hide
     (no attention window) copies never pay, so the best placement without copies is the optimum; the bound must
     stay below it without being vacuous."""
     rng = np.random.default_rng(0)
     topo = Topology(4, 2, 8, 0)
-    cost = dataclasses.replace(COST, attention_us_per_token=0.0)
+    cost = dataclasses.replace(COST, attention_us_per_token=0.0, nic_routing=routing)
     for trial in range(3):
         loads = rng.integers(0, 40, size=(1, 1, 4, 8))
         loads[0, 0, :, trial] += 300  # one hot expert: its GEMM and its far pairs bound every placement
@@ -331,10 +389,12 @@ def test_lower_bound_against_every_placement():
         assert bound >= 0.75 * best  # measured 0.80-0.82: the bound ignores the send side and NVLink
 
 
-@pytest.mark.parametrize("attention", [0.15, 0.0])
-def test_placement_floor_holds_for_every_in_node_plan_on_its_placement(setup, attention):
-    trace, topo, _plan = setup
-    cost = dataclasses.replace(COST, attention_us_per_token=attention)
+@pytest.mark.parametrize(
+    ("attention", "routing"), [(0.15, "direct"), (0.0, "direct"), (0.15, "pxn"), (0.0, "pxn")]
+)
+def test_placement_floor_holds_for_every_in_node_plan_on_its_placement(setup3, attention, routing):
+    trace, topo, _plan = setup3
+    cost = dataclasses.replace(COST, attention_us_per_token=attention, nic_routing=routing)
     ctx = PlanContext(topo, RelibraConfig(min_replica_tokens=32), cost, 4)
     loads = trace.loads_NMLSE[0]
     for name in ("static", "greedy_lpt", "reorder_only", "replicate_only", "relibra"):
