@@ -35,13 +35,23 @@ receives, to the busiest source's sends, which no copy can lower; below that a m
 (measured on the generator: MoE time / ideal 1.124 -> 1.120 at EP 32, 1.055 -> 1.053 at EP 16, since NIC moves no
 longer squeeze compute room where the receive side is not the bottleneck).
 
+Routing (`relibra.cost_model`, `nic_routing`): the above is for direct routing. Under pxn only the two dispatch-like
+all-to-alls see where a far pair is served (kappa halves), and a source's sends stop bounding a GPU's receive (they
+meet in the other all-to-alls: no Send_s floor). With more than two nodes, node z's pairs to every GPU of local index
+r leave through z's NIC r, so what counts is each GPU's receive FROM EACH source node: the far pairs come in K = Z
+classes (one per source node) and the NIC resource is the (GPU, class) furthest above its class's target
+T_F,k = sum_g F_g,k / Q; a NIC move moves that class's pairs, a compute move the far pairs of the class the hot GPU
+has most above target. Measured (generator EP 32, pxn): MoE time / ideal 1.40 -> 1.19 (a GPU's home experts serve
+mostly one node's prompts, so without classes a node's sends crowd onto a few of its NICs).
+
 Token split: instance i of an expert serves FAR_i far pairs and NEAR_i near pairs (decided above; the home keeps
 the rest). Locality first: each instance takes the near pairs of the source on its own GPU (no transfer) up to
 NEAR_i; then far sources fill the far shares and the remaining near sources the near shares by prefix sums
-(north-west corner rule, sources in rank order, instances home first then replicas by slot).
+(north-west corner rule, sources in rank order, instances home first then replicas by slot; with far classes, one
+share per class, so each source node's pairs fill that node's shares).
 
 Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, Z nodes, Q GPUs per node, H home slots,
-R replica slots, J = H + R, B problems (m, l, z), X replicated experts, I instances of one expert, K items.
+R replica slots, J = H + R, B problems (m, l, z), X replicated experts, I instances of one expert, K far classes.
 """
 
 from __future__ import annotations
@@ -62,28 +72,44 @@ class ReplicaSet:
     """Replicas of one step, per problem b = (m * L + l) * Z + z.
 
     local_BQR: home slot (q_owner * H + h) copied into replica slot r of GPU q, -1 if empty.
-    near_BQR / far_BQR: near / far pairs that copy computes.
-    near_left_BQH / far_left_BQH: near / far pairs each home instance keeps.
+    near_BQR / far_BQRK: near / far pairs (per far class k) that copy computes.
+    near_left_BQH / far_left_BQHK: near / far pairs (per far class) each home instance keeps.
     """
 
     local_BQR: np.ndarray
     near_BQR: np.ndarray
-    far_BQR: np.ndarray
+    far_BQRK: np.ndarray
     near_left_BQH: np.ndarray
-    far_left_BQH: np.ndarray
+    far_left_BQHK: np.ndarray
+
+    @property
+    def far_BQR(self) -> np.ndarray:
+        return self.far_BQRK.sum(axis=-1)
+
+    @property
+    def far_left_BQH(self) -> np.ndarray:
+        return self.far_left_BQHK.sum(axis=-1)
 
 
-def _split_loads_BQH(loads_MLSE: np.ndarray, slots_LGH: np.ndarray, topo: Topology):
-    """(near, far) pairs [B, Q, H] of every home expert: near from sources on the owner's node, far the rest."""
+def _split_loads_BQH(
+    loads_MLSE: np.ndarray, slots_LGH: np.ndarray, topo: Topology, by_source_node: bool = False
+):
+    """(near, far) pairs [B, Q, H] of every home expert: near from sources on the owner's node, far the rest;
+    with `by_source_node` far is [B, Q, H, Z], the far pairs of each source node (0 for the owner's own)."""
     M, L, _S, E = loads_MLSE.shape
     Z, Q, H = topo.num_nodes, topo.node_size, topo.num_home_slots
     lidx = np.arange(L)[:, None, None]
-    W = loads_MLSE.sum(axis=2)[:, lidx, slots_LGH]
     near_MLZE = loads_MLSE.reshape(M, L, Z, Q, E).sum(axis=3)
     node_LGH = np.broadcast_to(topo.node_of_gpu()[None, :, None], slots_LGH.shape)
     near = near_MLZE[:, lidx, node_LGH, slots_LGH]
     shape = (M * L * Z, Q, H)
-    return near.reshape(shape).astype(np.int64), (W - near).reshape(shape).astype(np.int64)
+    if by_source_node:
+        from_MLGHZ = near_MLZE.transpose(0, 1, 3, 2)[:, lidx, slots_LGH]
+        own_LGHZ = node_LGH[..., None] == np.arange(Z)
+        far = np.where(own_LGHZ[None], 0, from_MLGHZ).reshape(*shape, Z)
+    else:
+        far = (loads_MLSE.sum(axis=2)[:, lidx, slots_LGH] - near).reshape(shape)
+    return near.reshape(shape).astype(np.int64), far.astype(np.int64)
 
 
 class _Greedy:
@@ -107,17 +133,19 @@ class _Greedy:
     ):
         B, Q, H = near_BQH.shape
         R = num_replica_slots
-        self.B, self.Q, self.H, self.R = B, Q, H, R
+        far_BQHK = far_BQH if far_BQH.ndim == 4 else far_BQH[..., None]
+        K = far_BQHK.shape[-1]
+        self.B, self.Q, self.H, self.R, self.K = B, Q, H, R, K
         self.min_pairs, self.eps, self.tile, self.kappa = max(min_pairs, 1), eps, tile, kappa
         self.near = np.array(near_BQH, dtype=np.int64).reshape(B * Q, H)  # remaining at home (a copy)
-        self.far = np.array(far_BQH, dtype=np.int64).reshape(B * Q, H)
-        self.load_C = (self.near.sum(axis=1) + self.far.sum(axis=1)).reshape(B, Q).astype(np.float64)
-        self.load_F = self.far.sum(axis=1).reshape(B, Q).astype(np.float64)
+        self.far = np.array(far_BQHK, dtype=np.int64).reshape(B * Q, H, K)
+        self.load_C = (self.near.sum(axis=1) + self.far.sum(axis=(1, 2))).reshape(B, Q).astype(np.float64)
+        self.load_F = self.far.sum(axis=1).reshape(B, Q, K).astype(np.float64)
         self.T_C = np.ceil(self.load_C.sum(axis=-1) / Q)
-        self.T_F = self.load_F.sum(axis=-1) / Q
+        self.T_F = self.load_F.sum(axis=1) / Q  # [B, K]
         self.local = np.full((B, Q, R), -1, dtype=np.int64)
         self.rep_near = np.zeros((B, Q, R), dtype=np.int64)
-        self.rep_far = np.zeros((B, Q, R), dtype=np.int64)
+        self.rep_far = np.zeros((B, Q, R, K), dtype=np.int64)
         self.copy = np.zeros((B * Q * H, Q), dtype=np.int8)
         self.num_free = np.full((B, Q), R, dtype=np.int64)
         self.blocked = np.zeros((B, 2), dtype=bool)  # resource 0 compute, 1 NIC
@@ -133,42 +161,56 @@ class _Greedy:
     def result(self) -> ReplicaSet:
         B, Q, H = self.B, self.Q, self.H
         return ReplicaSet(
-            self.local, self.rep_near, self.rep_far, self.near.reshape(B, Q, H), self.far.reshape(B, Q, H)
+            self.local,
+            self.rep_near,
+            self.rep_far,
+            self.near.reshape(B, Q, H),
+            self.far.reshape(B, Q, H, self.K),
         )
 
     def step(self, active: np.ndarray) -> np.ndarray:
         """One move in every active problem; returns the problems that stay active."""
-        Q, H = self.Q, self.H
-        C, F = self.load_C[active], self.load_F[active]
-        T_C, T_F = self.T_C[active], self.T_F[active]
-        max_C, max_F = C.max(axis=1), F.max(axis=1)
+        Q, H, K = self.Q, self.H, self.K
+        C, F_all = self.load_C[active], self.load_F[active]  # [A, Q], [A, Q, K]
+        T_C, T_F_all = self.T_C[active], self.T_F[active]  # [A], [A, K]
+        max_C = C.max(axis=1)
+        # The NIC resource is the (GPU, far class) furthest above its class's target.
+        over_qk = (F_all - T_F_all[:, None, :] * (1 + self.eps)).reshape(len(active), Q * K)
+        hot_F = over_qk.argmax(axis=1)
         # How far the hottest GPU is above each target, in compute pairs (0 within eps or when blocked).
         over_C = np.maximum(max_C - T_C * (1 + self.eps), 0.0)
-        over_F = self.kappa * np.maximum(max_F - T_F * (1 + self.eps), 0.0)  # T_F = inf: kappa is 0
+        over_F = self.kappa * np.maximum(over_qk[np.arange(len(active)), hot_F], 0.0)  # T_F = inf: kappa is 0
         blocked = self.blocked[active]
         over_C[blocked[:, 0]] = 0.0
         over_F[blocked[:, 1]] = 0.0
         # A problem whose max C + kappa max F has not fallen for `patience` moves is done: what is left are tiny
         # moves that trade one resource's maximum for the other's (measured: cycles of a few hundred pairs).
-        obj = max_C + self.kappa * max_F
+        # (F is taken above its target so that classes with different targets compare; the shift is constant.)
+        obj = max_C + (self.kappa * (F_all - T_F_all[:, None, :]).max(axis=(1, 2)) if self.kappa else 0.0)
         improved = obj < self.best_obj[active] - 0.5
         self.best_obj[active] = np.where(improved, obj, self.best_obj[active])
         self.stale[active] = np.where(improved, 0, self.stale[active] + 1)
         live = ((over_C > 0) | (over_F > 0)) & (self.stale[active] <= self.patience)
         if not live.all():
-            active, C, F, T_C, T_F, over_C, over_F, max_C, max_F = (
-                a[live] for a in (active, C, F, T_C, T_F, over_C, over_F, max_C, max_F)
+            active, C, F_all, T_C, T_F_all, over_C, over_F, max_C, hot_F = (
+                a[live] for a in (active, C, F_all, T_C, T_F_all, over_C, over_F, max_C, hot_F)
             )
         if not len(active):
             return active
         nic = over_F > over_C  # NIC-bound: move far pairs
         res = nic.astype(np.int64)
         rows = np.arange(len(active))
-        own = np.where(nic, F.argmax(axis=1), C.argmax(axis=1))  # hot GPU
+        hot_C = C.argmax(axis=1)
+        # Compute moves take the far pairs of the class whose load the hot GPU has most above its target.
+        k_C = (F_all[rows, hot_C] - T_F_all).argmax(axis=1)
+        own = np.where(nic, hot_F // K, hot_C)  # hot GPU
+        cls = np.where(nic, hot_F % K, k_C)  # the far class that moves
+        F, T_F = F_all[rows, :, cls], T_F_all[rows, cls]  # [A, Q], [A]
+        max_F = F.max(axis=1)
         excess = np.where(nic, F[rows, own] - T_F, C[rows, own] - T_C)
         near, far = (
             self.near.take(active * Q + own, axis=0),
-            self.far.take(active * Q + own, axis=0),
+            self.far.take(active * Q + own, axis=0)[rows, :, cls],
         )  # [A, H]
         # Compute moves take near pairs first, then far pairs up to what keeps the destination's NIC load at or
         # below the node's current maximum; NIC moves take far pairs and may lift the destination's compute up to
@@ -214,7 +256,7 @@ class _Greedy:
             pending = pending[~has]
         ok = pick_h >= 0
         self.blocked[active[~ok], res[~ok]] = True
-        self._apply(active[ok], res[ok], own[ok], pick_h[ok], pick_q[ok], pick_x[ok])
+        self._apply(active[ok], res[ok], own[ok], pick_h[ok], pick_q[ok], pick_x[ok], cls[ok])
         return active
 
     def relax(self, num_rounds: int) -> None:
@@ -234,7 +276,7 @@ class _Greedy:
                     home_row = b * Q + o
                     gap = self.load_C[b, o] - self.load_C[b, q]
                     half = np.floor(np.abs(gap) / 2).astype(np.int64)
-                    copy = self.rep_near[b, q, r] + self.rep_far[b, q, r]
+                    copy = self.rep_near[b, q, r] + self.rep_far[b, q, r].sum(axis=-1)
                     forward = np.minimum(half, self.near[home_row, h])
                     backward = np.minimum(np.minimum(half, self.rep_near[b, q, r]), copy - self.min_pairs)
                     x = np.where(gap > 0, forward, -np.maximum(backward, 0))
@@ -243,7 +285,7 @@ class _Greedy:
                     self.load_C[b, o] -= x
                     self.load_C[b, q] += x
 
-    def _apply(self, b, res, own, h, q, x) -> None:
+    def _apply(self, b, res, own, h, q, x, k) -> None:
         Q, H = self.Q, self.H
         home_row = b * Q + own
         copy_row = home_row * H + h
@@ -252,16 +294,16 @@ class _Greedy:
         x_near = np.where(res == 1, 0, np.minimum(x, self.near[home_row, h]))
         x_far = x - x_near
         self.near[home_row, h] -= x_near
-        self.far[home_row, h] -= x_far
+        self.far[home_row, h, k] -= x_far
         self.load_C[b, own] -= x
         self.load_C[b, q] += x
-        self.load_F[b, own] -= x_far
-        self.load_F[b, q] += x_far
+        self.load_F[b, own, k] -= x_far
+        self.load_F[b, q, k] += x_far
         self.local[b, q, r] = own * H + h
         self.copy[copy_row, q] = r + 1
         self.num_free[b, q] -= slot == 0
         self.rep_near[b, q, r] += x_near
-        self.rep_far[b, q, r] += x_far
+        self.rep_far[b, q, r, k] += x_far
         self.blocked[b] = False
 
 
@@ -280,7 +322,8 @@ def greedy_replicas(
     floor_C_B: np.ndarray | None = None,
     floor_F_B: np.ndarray | None = None,
 ) -> ReplicaSet:
-    """Run the greedy of the module docstring on every problem; near/far_BQH int [B, Q, H] pairs of home experts.
+    """Run the greedy of the module docstring on every problem; near/far_BQH int [B, Q, H] pairs of home experts,
+    or far_BQH [B, Q, H, K]: K classes of far pairs, each levelled on its own (source nodes, under pxn routing).
 
     kappa = 0 ignores NIC balance: the spec's token greedy (copies take near pairs first, then far ones).
     patience: moves without a fall of max C + kappa max F before a problem stops (default 2 Q: enough to lower
@@ -295,7 +338,7 @@ def greedy_replicas(
     if floor_C_B is not None:
         state.T_C = np.maximum(state.T_C, floor_C_B / (1 + eps))
     if floor_F_B is not None:
-        state.T_F = np.maximum(state.T_F, floor_F_B / (1 + eps))
+        state.T_F = np.maximum(state.T_F, floor_F_B[:, None] / (1 + eps))
     if kappa == 0:
         state.T_F[:] = np.inf  # NIC load is not balanced: never the binding resource
     if num_replica_slots == 0 or Q == 1:
@@ -343,7 +386,7 @@ class _Groups:
     q_XI: np.ndarray
     slot_XI: np.ndarray
     near_XI: np.ndarray
-    far_XI: np.ndarray
+    far_XIK: np.ndarray
 
 
 def _instance_groups(replicas: ReplicaSet, H: int) -> _Groups:
@@ -362,17 +405,18 @@ def _instance_groups(replicas: ReplicaSet, H: int) -> _Groups:
     q_XI = np.full((X, width), -1, dtype=np.int64)
     slot_XI = np.zeros((X, width), dtype=np.int64)
     near_XI = np.zeros((X, width), dtype=np.int64)
-    far_XI = np.zeros((X, width), dtype=np.int64)
+    K = replicas.far_BQRK.shape[-1]
+    far_XIK = np.zeros((X, width, K), dtype=np.int64)
     q_XI[:, 0], slot_XI[:, 0] = ho // H, ho % H
     near_XI[:, 0] = replicas.near_left_BQH[hb, ho // H, ho % H]
-    far_XI[:, 0] = replicas.far_left_BQH[hb, ho // H, ho % H]
+    far_XIK[:, 0] = replicas.far_left_BQHK[hb, ho // H, ho % H]
     o = order
     q_XI[row, pos], slot_XI[row, pos] = q[o], H + r[o]
-    near_XI[row, pos], far_XI[row, pos] = (
+    near_XI[row, pos], far_XIK[row, pos] = (
         replicas.near_BQR[b[o], q[o], r[o]],
-        replicas.far_BQR[b[o], q[o], r[o]],
+        replicas.far_BQRK[b[o], q[o], r[o]],
     )
-    return _Groups(hb, ho, q_XI, slot_XI, near_XI, far_XI)
+    return _Groups(hb, ho, q_XI, slot_XI, near_XI, far_XIK)
 
 
 def split_quota_MLGJS(
@@ -410,7 +454,9 @@ def split_quota_MLGJS(
     local = np.where(valid, np.minimum(demand[rows, src], groups.near_XI), 0)
     demand[rows, src] -= local
     demand = demand[:, :S]
-    # North-west passes: far sources fill the far shares, then near sources the near ones (the totals match).
+    # North-west passes: far sources fill the far shares, then near sources the near ones (the totals match). With
+    # a far share per source node (pxn) the far sources come in node order, and so do the shares' columns: the prefix
+    # sums then meet at every node's boundary, so each node's pairs fill exactly that node's shares.
     node_S = topo.node_of_gpu()
     order_ZS = np.argsort(
         node_S[None, :] == np.arange(Z)[:, None], axis=1, kind="stable"
@@ -422,8 +468,9 @@ def split_quota_MLGJS(
     near_left = groups.near_XI - local
     for n in np.unique(size_X):  # rows with n instances: no padded capacities in the merge
         sel = np.flatnonzero(size_X == n)
+        far_caps = groups.far_XIK[sel, :n].transpose(0, 2, 1).reshape(len(sel), -1)  # class-major
         x, s_sorted, k, pairs = northwest_segments(
-            shares[sel], np.concatenate([groups.far_XI[sel, :n], near_left[sel, :n]], axis=1)
+            shares[sel], np.concatenate([far_caps, near_left[sel, :n]], axis=1)
         )
         x = sel[x]  # a source is far or near, so (x, s, instance) is unique: plain assignment
         flat.reshape(-1)[base_XI[x, k % n] * S + order[x, s_sorted]] = pairs
@@ -432,16 +479,31 @@ def split_quota_MLGJS(
     return slots, quota
 
 
+def levels_by_source_node(cost: CostModel | None, topo: Topology) -> bool:
+    """Whether the greedy levels each GPU's far pairs per source node: under pxn routing with more than two nodes,
+    node z's pairs to GPUs of local index r leave through z's NIC r, so a GPU's receive from each node counts (with
+    two nodes that is the GPU's whole receive)."""
+    return cost is not None and cost.nic_routing == "pxn" and topo.num_nodes > 2
+
+
 def nic_weight(cost: CostModel, topo: Topology) -> float:
-    """kappa: the all-to-all time of one far pair at a GPU's NIC in units of one pair's expert compute time."""
+    """kappa: the all-to-all time of one far pair at a GPU's NIC in units of one pair's expert compute time (under
+    pxn routing only the two dispatch-like all-to-alls see where a pair is served: the combine-like ones leave the
+    GPU through its node's NICs of the sources' local indices)."""
     if topo.num_nodes == 1:
         return 0.0
     per_pair = cost.gemm_us_per_token * (1.0 + cost.backward_factor)
-    return NUM_ALLTOALLS * float(cost.nic_us(cost.pair_bytes)) / per_pair
+    num_alltoalls = NUM_ALLTOALLS if cost.nic_routing == "direct" else NUM_ALLTOALLS // 2
+    return num_alltoalls * float(cost.nic_us(cost.pair_bytes)) / per_pair
 
 
 def bottleneck_floors(
-    loads_MLSE: np.ndarray, home_LE: np.ndarray, near_BQH: np.ndarray, far_BQH: np.ndarray, topo: Topology
+    loads_MLSE: np.ndarray,
+    home_LE: np.ndarray,
+    near_BQH: np.ndarray,
+    far_BQH: np.ndarray,
+    topo: Topology,
+    sends_bind: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per problem b = (m, l, z): the compute and NIC loads (pairs) below which levelling node z cannot shorten
     (m, l), since the step waits for the slowest GPU of the whole EP group and copies never leave a node:
@@ -449,15 +511,18 @@ def bottleneck_floors(
       floor_C = max_z' ceil(C_z' / Q),   floor_F = max(max_z' F_z' / Q, max_s Send_s),
 
     C_z' / F_z' the pairs / far pairs node z' serves, Send_s the pairs source rank s sends to other nodes (fixed by
-    the homes: a replica serves pairs in its owner's node, so it moves no source's NIC traffic).
+    the homes: a replica serves pairs in its owner's node, so it moves no source's NIC traffic). `sends_bind` False
+    (pxn routing: a GPU's receive and a source's sends meet in different all-to-alls) leaves Send_s out.
     """
     M, L, S, _E = loads_MLSE.shape
     Z, Q = topo.num_nodes, topo.node_size
     T_C = np.ceil((near_BQH.sum(axis=(1, 2)) + far_BQH.sum(axis=(1, 2))) / Q).reshape(M * L, Z)
     T_F = (far_BQH.sum(axis=(1, 2)) / Q).reshape(M * L, Z)
-    away_LSE = (home_LE // Q)[:, None, :] != topo.node_of_gpu()[None, :, None]
-    send_MLS = np.einsum("mlse,lse->mls", loads_MLSE, away_LSE)
-    floor_F = np.maximum(T_F.max(axis=1), send_MLS.reshape(M * L, S).max(axis=1))
+    floor_F = T_F.max(axis=1)
+    if sends_bind:
+        away_LSE = (home_LE // Q)[:, None, :] != topo.node_of_gpu()[None, :, None]
+        send_MLS = np.einsum("mlse,lse->mls", loads_MLSE, away_LSE)
+        floor_F = np.maximum(floor_F, send_MLS.reshape(M * L, S).max(axis=1))
     return np.repeat(T_C.max(axis=1), Z), np.repeat(floor_F, Z)
 
 
@@ -469,13 +534,16 @@ def replicated_plan(
     Without a cost model the greedy levels tokens only (kappa = 0) and does not round to the GEMM tile.
     """
     slots_LGH = home_slots_LGH(home_LE, topo)
-    near, far = _split_loads_BQH(loads_MLSE, slots_LGH, topo)
+    by_node = levels_by_source_node(cost, topo)
+    near, far = _split_loads_BQH(loads_MLSE, slots_LGH, topo, by_source_node=by_node)
     kappa = nic_weight(cost, topo) if cost is not None else 0.0
     tile = cost.gemm_tile if cost is not None else 1
-    floor_C, floor_F = bottleneck_floors(loads_MLSE, home_LE, near, far, topo)
+    far_total = far.sum(axis=-1) if by_node else far
+    direct = cost is None or cost.nic_routing == "direct"
+    floor_C, floor_F = bottleneck_floors(loads_MLSE, home_LE, near, far_total, topo, sends_bind=direct)
     replicas = greedy_replicas(
         near, far, topo.num_replica_slots, cfg.min_replica_tokens, cfg.imbalance_tolerance, tile, kappa,
-        floor_C_B=floor_C, floor_F_B=floor_F,
+        floor_C_B=floor_C, floor_F_B=None if by_node else floor_F,
     )  # fmt: skip
     slots, quota = split_quota_MLGJS(loads_MLSE, slots_LGH, replicas, topo)
     return Plan(home_LE=home_LE, slots_MLGJ=slots, quota_MLGJS=quota, num_home_slots=topo.num_home_slots)

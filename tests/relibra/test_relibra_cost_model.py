@@ -38,7 +38,7 @@ def test_defaults_and_yaml_errors(tmp_path):
     with pytest.raises(ValueError, match="nic_routing must be one of"):
         dataclasses.replace(COST, nic_routing="rail")
     assert COST.overlap_optimizer_state  # what relibra.executor does
-    assert COST.nic_routing == "direct"  # what the planners plan for
+    assert COST.nic_routing == "direct"  # the spec's accounting
 
 
 def test_gemm_formula():

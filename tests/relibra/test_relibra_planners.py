@@ -3,6 +3,7 @@ scipy's MILP, EPLB's properties, determinism."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from pathlib import Path
@@ -31,6 +32,7 @@ from relibra.planners.replicate import (
     bottleneck_floors,
     greedy_replicas,
     nic_weight,
+    replicated_plan,
     split_quota_MLGJS,
 )
 from relibra.synthetic import SyntheticLoads, generate_loads
@@ -254,8 +256,6 @@ def test_replication_greedy_levels_nic_and_compute():
     """Two nodes: joint greedy lowers max compute + kappa max NIC below the token-only greedy's."""
     trace = _synthetic(8, E=16, M=4, L=2, N=1, tokens=1024)
     topo = Topology(8, 4, 16, 2)
-    from relibra.planners.replicate import nic_weight, replicated_plan
-
     cfg = RelibraConfig(min_replica_tokens=32)
     loads = trace.loads_NMLSE[0]
     home = static_home_LE(2, topo)
@@ -360,6 +360,35 @@ def test_replication_greedy_keeps_inputs_and_pairs():
     assert ((rs.near_BQR + rs.far_BQR)[copies] >= 64).all()
 
 
+def test_replication_greedy_keeps_pairs_per_far_class():
+    """With far pairs in classes (source nodes, for pxn routing) every class's pairs are served exactly once."""
+    near, far = _greedy_inputs(3)
+    rng = np.random.default_rng(3)
+    share = rng.dirichlet(np.ones(3), size=far.shape)  # [B, Q, H, 3]
+    far_K = np.floor(far[..., None] * share).astype(np.int64)
+    rs = greedy_replicas(near, far_K, 2, 64, 0.02, tile=16, kappa=3.0)
+    H = near.shape[2]
+    for b in range(near.shape[0]):
+        got = rs.far_left_BQHK[b].copy()
+        for q, r in zip(*np.nonzero(rs.local_BQR[b] >= 0)):
+            owner, h = divmod(int(rs.local_BQR[b, q, r]), H)
+            got[owner, h] += rs.far_BQRK[b, q, r]
+        np.testing.assert_array_equal(got, far_K[b])
+    assert rs.far_BQRK.sum() > 0  # copies took far pairs
+
+
+def test_replication_greedy_levels_each_far_class():
+    """Three GPUs whose far receive is level in total, but GPU 0 takes node A's pairs and GPU 1 node B's: the
+    greedy copies experts until every GPU receives a third of each node's pairs (and levels compute too)."""
+    near = np.array([[[0], [0], [1024]]])  # [B, Q, H]
+    far = np.array([[[[2048, 0]], [[0, 2048]], [[1024, 1024]]]])  # [B, Q, H, K]: K = source nodes A, B
+    rs = greedy_replicas(near, far, 2, 64, 0.0, tile=64, kappa=3.0)
+    F = rs.far_left_BQHK.sum(axis=2) + rs.far_BQRK.sum(axis=2)  # [B, Q, K]
+    np.testing.assert_array_equal(F[0], np.full((3, 2), 1024))
+    C = rs.near_left_BQH.sum(-1) + rs.near_BQR.sum(-1) + F.sum(-1)
+    assert C.max() <= np.ceil(C.sum() / 3) + 64  # within a GEMM tile of the mean
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_replication_greedy_patience_loses_nothing(seed):
     """Stopping a problem after 2 Q moves without progress gives the same objective as running to the move cap."""
@@ -394,6 +423,7 @@ def test_bottleneck_floors_against_loops():
 
     near, far = _split_loads_BQH(loads, home_slots_LGH(home, topo), topo)
     floor_C, floor_F = bottleneck_floors(loads, home, near, far, topo)
+    _, floor_F_pxn = bottleneck_floors(loads, home, near, far, topo, sends_bind=False)
     M, L, S, E = loads.shape
     Z, Q = 2, 4
     for m, layer in itertools.product(range(M), range(L)):
@@ -410,6 +440,41 @@ def test_bottleneck_floors_against_loops():
         for z in range(Z):
             b = (m * L + layer) * Z + z
             assert floor_C[b] == want_C and floor_F[b] == pytest.approx(want_F)
+            assert floor_F_pxn[b] == pytest.approx(max(f / Q for f in node_far))
+
+
+def test_far_pairs_by_source_node_against_loops():
+    loads = _synthetic(12, E=24, M=2, L=2, N=1, tokens=256).loads_NMLSE[0]
+    topo = Topology(12, 4, 24, 2)
+    home = np.random.default_rng(1).permuted(static_home_LE(2, topo), axis=1)
+    slots = home_slots_LGH(home, topo)
+    near, far = _split_loads_BQH(loads, slots, topo)
+    near_k, far_k = _split_loads_BQH(loads, slots, topo, by_source_node=True)
+    np.testing.assert_array_equal(near_k, near)
+    np.testing.assert_array_equal(far_k.sum(-1), far)
+    Z, Q, H = 3, 4, 2
+    for m, layer, g, h, z in itertools.product(range(2), range(2), range(12), range(H), range(Z)):
+        b = (m * 2 + layer) * Z + g // Q
+        e = slots[layer, g, h]
+        want = 0 if z == g // Q else loads[m, layer, z * Q : (z + 1) * Q, e].sum()
+        assert far_k[b, g % Q, h, z] == want
+
+
+def test_pxn_replicas_spread_each_source_nodes_sends():
+    """Under pxn routing with three nodes, replicas that level each GPU's receive per source node make the
+    simulated all-to-alls faster than replicas planned for direct routing, on the same placement."""
+    trace = _synthetic(24, E=96, M=4, L=2, N=1, tokens=2048)
+    loads = trace.loads_NMLSE[0]
+    topo = Topology(24, 8, 96, 2)
+    pxn = dataclasses.replace(COST, nic_routing="pxn")
+    home = np.random.default_rng(0).permuted(static_home_LE(2, topo), axis=1)
+    cfg = RelibraConfig()
+    a2a = {}
+    for name, planned_for in (("direct", COST), ("pxn", pxn)):
+        plan = replicated_plan(loads, home, topo, cfg, planned_for)
+        validate_plan(plan, loads, topo)
+        a2a[name] = step_cost(plan, loads, 4, topo, pxn, home).alltoall_us
+    assert a2a["pxn"] < 0.95 * a2a["direct"]
 
 
 def test_floors_keep_the_step_time():
