@@ -1,7 +1,8 @@
 """Offline simulator: plan every step of a load file with several planners and compare their simulated step times.
 
     python -m relibra.simulate --loads FILE --ep N --gpus-per-node G --replica-slots R \\
-        [--plans a,b,...] [--json OUT] [--dump-plans DIR] [--cost-model YAML] [--set key=value ...]
+        [--plans a,b,...] [--json OUT] [--dump-plans DIR] [--cost-model YAML] [--nic-routing direct|pxn]
+        [--set key=value ...]
 
 For each plan it prints one row: simulated MoE time relative to the ideal plan, mean and max skew (max/mean pairs
 per GPU over all (step, micro-batch, layer)), cross-node bytes per step, migration bytes per step, planner wall
@@ -37,7 +38,14 @@ from pathlib import Path
 import numpy as np
 
 from relibra.config import RelibraConfig
-from relibra.cost_model import CostModel, StepCost, ideal_step_cost, placement_floor_us, step_cost
+from relibra.cost_model import (
+    NIC_ROUTINGS,
+    CostModel,
+    StepCost,
+    ideal_step_cost,
+    placement_floor_us,
+    step_cost,
+)
 from relibra.loads import LoadTrace, load_loads
 from relibra.plan import IdealPlan, PlannerState, Topology, static_home_LE
 from relibra.planners import PLANNERS, PlanContext, run_planner
@@ -230,6 +238,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-plans", help="write DIR/<plan>.npz with home and served")
     p.add_argument("--cost-model", help="cost-model YAML (default: the packaged Hopper defaults)")
     p.add_argument(
+        "--nic-routing",
+        choices=NIC_ROUTINGS,
+        help="override the cost model's nic_routing (relibra.cost_model)",
+    )
+    p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a RelibraConfig field"
     )
     p.add_argument("--no-validate", action="store_true", help="skip the plan validator")
@@ -247,6 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         topo = Topology(args.ep, args.gpus_per_node, trace.num_experts, args.replica_slots)
         cost = CostModel.from_yaml(args.cost_model or config.cost_model)
+        if args.nic_routing:
+            cost = dataclasses.replace(cost, nic_routing=args.nic_routing)
         plans = [p.strip() for p in args.plans.split(",") if p.strip()]
         rows = simulate_trace(trace, topo, config, cost, plans, not args.no_validate, args.dump_plans)
     except (ValueError, KeyError) as err:

@@ -61,6 +61,22 @@ def test_cli_table_json_and_dumps(load_file, tmp_path, capsys):
             np.testing.assert_array_equal(g // 8, home[n, layer, e] // 8)
 
 
+def test_cli_nic_routing(load_file, tmp_path):
+    """Four nodes of four GPUs: pxn routing prices static's all-to-alls differently from direct routing."""
+    moe = {}
+    for routing in ("direct", "pxn"):
+        out = tmp_path / f"{routing}.json"
+        code = main([
+            "--loads", str(load_file), "--ep", "16", "--gpus-per-node", "4", "--replica-slots", "2",
+            "--plans", "static,ideal", "--json", str(out), "--nic-routing", routing,
+        ])  # fmt: skip
+        assert code == 0
+        data = json.loads(out.read_text())
+        assert data["meta"]["cost_model"]["nic_routing"] == routing
+        moe[routing] = {r["plan"]: r["moe_us"] for r in data["rows"]}
+    assert moe["pxn"]["static"] != pytest.approx(moe["direct"]["static"])
+
+
 def test_cli_errors(load_file, capsys):
     assert main(["--loads", str(load_file), "--ep", "6", "--gpus-per-node", "8", "--replica-slots", "2"]) == 2
     assert "--ep" in capsys.readouterr().err
