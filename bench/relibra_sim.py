@@ -155,9 +155,7 @@ def main() -> None:
         "--nic-routing", choices=NIC_ROUTINGS, help="override the cost model's nic_routing (default: direct)"
     )
     args = p.parse_args()
-    cost = CostModel.from_yaml()
-    if args.nic_routing:
-        cost = dataclasses.replace(cost, nic_routing=args.nic_routing)
+    cost = CostModel.from_yaml(nic_routing=args.nic_routing)
     suffix = "" if cost.nic_routing == "direct" else f"_{cost.nic_routing}"
     args.json = args.json or str(ROOT / "bench" / "out" / f"relibra_sim{suffix}.json")
     cfg = RelibraConfig()

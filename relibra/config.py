@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from relibra.cost_model import NIC_ROUTINGS
 from tppo.fields import spec
 
 
@@ -33,6 +34,12 @@ class RelibraConfig:
         None,
         help="cost-model YAML (None: the packaged Hopper defaults); in training its GEMM times and transfer "
         "sizes are rescaled to the trained model's expert shape",
+    )
+    nic_routing: str | None = spec(
+        None,
+        choices=NIC_ROUTINGS,
+        help="the NIC a cross-node pair leaves through: direct (NCCL with NCCL_PXN_DISABLE=1) or pxn (NCCL's "
+        "default on rail-optimised nodes); None: the cost model's (direct)",
     )
     microbatch_tokens: int = spec(256, ge=1, help="tokens per micro-batch when cutting token-order logs")
     # Knobs of the planners in relibra.planners (added with the planners; defaults are ours).

@@ -106,8 +106,9 @@ class CostModel:
                 raise ValueError(f"CostModel.{name} must be > 0, got {getattr(self, name)!r}")
 
     @classmethod
-    def from_yaml(cls, path: str | Path | None = None) -> CostModel:
-        """Read a cost-model YAML; None reads the packaged Hopper defaults. Unknown or missing keys raise."""
+    def from_yaml(cls, path: str | Path | None = None, nic_routing: str | None = None) -> CostModel:
+        """Read a cost-model YAML; None reads the packaged Hopper defaults. Unknown or missing keys raise.
+        `nic_routing` (not None) overrides the file's."""
         import yaml  # local: keep `import relibra.cost_model` light for config modules
 
         if path is None:
@@ -122,6 +123,8 @@ class CostModel:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"{where}: unknown cost-model keys {sorted(unknown)}; known: {sorted(known)}")
+        if nic_routing is not None:
+            data["nic_routing"] = nic_routing
         try:
             return cls(**data)
         except TypeError as err:

@@ -259,9 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             RelibraConfig(gpus_per_node=args.gpus_per_node, replica_slots=args.replica_slots), args.set
         )
         topo = Topology(args.ep, args.gpus_per_node, trace.num_experts, args.replica_slots)
-        cost = CostModel.from_yaml(args.cost_model or config.cost_model)
-        if args.nic_routing:
-            cost = dataclasses.replace(cost, nic_routing=args.nic_routing)
+        cost = CostModel.from_yaml(
+            args.cost_model or config.cost_model, args.nic_routing or config.nic_routing
+        )
         plans = [p.strip() for p in args.plans.split(",") if p.strip()]
         rows = simulate_trace(trace, topo, config, cost, plans, not args.no_validate, args.dump_plans)
     except (ValueError, KeyError) as err:

@@ -97,7 +97,7 @@ class LoadPlanner:
             num_replica_slots=cfg.replica_slots,
         )
         # The cost model's hardware, at the trained model's expert shape (replica pushes, GEMM times, NIC weight).
-        cost = CostModel.from_yaml(cfg.cost_model).for_expert_shape(
+        cost = CostModel.from_yaml(cfg.cost_model, cfg.nic_routing).for_expert_shape(
             model.hidden_size, model.moe_ffn_hidden_size
         )
         self.ctx = PlanContext(topo=self.topo, config=cfg, cost=cost, topk=model.moe_topk)

@@ -14,6 +14,7 @@ from tppo.balance import LoadPlanner, RouterLayout, loads_from_batches
 from tppo.batching import place, policy_batch, split_for_ranks
 from tppo.cluster import ray_session
 from tppo.config import ClusterConfig, ExperimentConfig, ModelConfig, ParallelConfig
+from tppo.fields import ConfigError, check_fields
 from tppo.pool import Sample
 from tppo.roles import Trainer, start_trainers, supervised_objective
 
@@ -126,3 +127,15 @@ def test_planner_rolls_back_a_refused_plan():
     planner.plan(_batches(samples, ranks=2, mbs=2))
     planner.refused()
     assert planner.state is before
+
+
+def test_planner_takes_the_configured_nic_routing():
+    """`relibra.nic_routing` overrides the cost model's routing; the planner plans with it."""
+    cfg = dataclasses.replace(RelibraConfig(), gpus_per_node=1, replica_slots=1)
+    layout = RouterLayout(ep=4, aligned=True)
+    model = ModelConfig(num_experts=E, moe_topk=K)
+    assert LoadPlanner(cfg, model, layout).ctx.cost.nic_routing == "direct"  # the packaged YAML's
+    pxn = LoadPlanner(dataclasses.replace(cfg, nic_routing="pxn"), model, layout)
+    assert pxn.ctx.cost.nic_routing == "pxn"
+    with pytest.raises(ConfigError, match="nic_routing"):
+        check_fields(dataclasses.replace(cfg, nic_routing="rail"))
