@@ -20,7 +20,7 @@ from tppo.balance import RouterLayout, StepPlan
 from tppo.batching import Placement, critic_batch, place, policy_batch, split_for_ranks
 from tppo.config import ExperimentConfig, ParallelConfig
 from tppo.engine.batch import StepResult, TrainBatch
-from tppo.engine.parallel import free_port
+from tppo.engine.parallel import reserved_port
 from tppo.objectives import (
     PolicyObjective,
     SupervisedObjective,
@@ -86,9 +86,22 @@ def start_trainers(
     placement: Reservation | None = None,
 ) -> RankGroup:
     """Start `num_ranks` TrainerWorkers of `role` (Ray actors when `remote`, in `placement`'s bundles when
-    given), wait until all are built."""
+    given), wait until all are built (the rendezvous port stays reserved until then)."""
+    with reserved_port() as port:
+        return _start_ranks(role, cfg, parallel, num_ranks, remote, total_steps, placement, port)
+
+
+def _start_ranks(
+    role: str,
+    cfg: ExperimentConfig,
+    parallel: ParallelConfig,
+    num_ranks: int,
+    remote: bool,
+    total_steps: int,
+    placement: Reservation | None,
+    port: int,
+) -> RankGroup:
     optim = cfg.algo.critic_optim if role == "critic" else cfg.algo.actor_optim
-    port = free_port()
     handles = []
     for rank in range(num_ranks):
         spec = RankSpec(role=role, rank=rank, world_size=num_ranks, master_addr="127.0.0.1", master_port=port)

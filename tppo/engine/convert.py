@@ -690,16 +690,13 @@ def convert_checkpoint(src: str, dst: str, *, ep: int = 1, max_shard_bytes: int 
         return
     import torch.multiprocessing as mp
 
-    mp.start_processes(
-        _convert_worker,
-        args=(ep, _free_port(), src, dst, max_shard_bytes),
-        nprocs=ep,
-        join=True,
-        start_method="spawn",
-    )
+    from tppo.engine.parallel import reserved_port
 
-
-def _free_port() -> int:
-    from tppo.engine.parallel import free_port
-
-    return free_port()
+    with reserved_port() as port:
+        mp.start_processes(
+            _convert_worker,
+            args=(ep, port, src, dst, max_shard_bytes),
+            nprocs=ep,
+            join=True,
+            start_method="spawn",
+        )

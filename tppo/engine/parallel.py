@@ -12,9 +12,11 @@ Experts are never tensor-parallel here (expert_tensor_parallel_size = 1): expert
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from tppo.config import ParallelConfig
 from tppo.engine.compat import fix_missing_te_symbols, maybe_enable_cpu_compat
 
-__all__ = ["ParallelGroups", "free_port", "init_parallel"]
+__all__ = ["ParallelGroups", "init_parallel", "reserved_port"]
 
 
 @dataclass
@@ -67,26 +69,35 @@ class ParallelGroups:
 _STATE: dict[str, object] = {}
 
 
-def free_port() -> int:
-    """A TCP port free on this host now (for single-host rendezvous in tests and local runs)."""
+@contextlib.contextmanager
+def reserved_port() -> Iterator[int]:
+    """A TCP port for a single-host rendezvous, held until the block ends.
+
+    The port stays bound (SO_REUSEADDR, not listening) in this process, so the kernel hands it to no other socket
+    meanwhile, while rank 0's TCPStore, which also sets SO_REUSEADDR, can still listen on it. A port that is only
+    probed free and released races with every other process on the host (seen in CI: two Slurm sweep jobs on one
+    node, EADDRINUSE at rank 0), so keep the block open until every rank has joined.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 def _start_torch_distributed(backend: str, timeout_s: float) -> None:
     if dist.is_initialized():
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ValueError("MASTER_PORT must be set when WORLD_SIZE > 1")
-        os.environ["MASTER_PORT"] = str(free_port())
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    dist.init_process_group(
-        backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    with contextlib.ExitStack() as stack:
+        if "MASTER_PORT" not in os.environ:
+            if world > 1:
+                raise ValueError("MASTER_PORT must be set when WORLD_SIZE > 1")
+            os.environ["MASTER_PORT"] = str(stack.enter_context(reserved_port()))
+        dist.init_process_group(
+            backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+        )
 
 
 def _layout(p: ParallelConfig) -> tuple[int, int, int]:

@@ -87,35 +87,35 @@ def run_ranks(target: Callable, world: int, *args: Any, timeout_s: float = 240.0
     Processes fork from a forkserver that imported torch and the engine once. A failure in any rank, or a
     run past `timeout_s`, raises with the ranks' tracebacks; nothing is left running.
     """
-    from tppo.engine.parallel import free_port
+    from tppo.engine.parallel import reserved_port
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_child, args=(target, r, world, port, args, results), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    errors = []
-    try:
-        for _ in range(world):
-            rank, status, value = results.get(timeout=timeout_s)
-            if status == "error":
-                errors.append(f"rank {rank}:\n{value}")
-                break
-            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
-    except queue.Empty:
-        errors.append(f"ranks {sorted(set(range(world)) - set(out))} did not finish within {timeout_s} s")
-    finally:
+    with reserved_port() as port:  # held until every rank has joined (and the run is over)
+        procs = [
+            ctx.Process(target=_child, args=(target, r, world, port, args, results), daemon=True)
+            for r in range(world)
+        ]
         for p in procs:
-            p.join(timeout=5 if not errors else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join()
+            p.start()
+        out: dict[int, Any] = {}
+        errors = []
+        try:
+            for _ in range(world):
+                rank, status, value = results.get(timeout=timeout_s)
+                if status == "error":
+                    errors.append(f"rank {rank}:\n{value}")
+                    break
+                out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        except queue.Empty:
+            errors.append(f"ranks {sorted(set(range(world)) - set(out))} did not finish within {timeout_s} s")
+        finally:
+            for p in procs:
+                p.join(timeout=5 if not errors else 0.1)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
     if errors:
         raise RuntimeError("\n".join(errors))
     return [out[r] for r in range(world)]
