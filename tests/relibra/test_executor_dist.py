@@ -121,8 +121,13 @@ def test_any_plan_equals_static(ep, gpn, replicas, recompute, tokens, aux_loss, 
             assert got["in_flight"][step] == bool(step and layers_moved)
             chunks = layers_moved if buffer_mb == ONE_LAYER else min(layers_moved, 1)
             assert metrics["relibra/exec_state_chunks"] == (chunks if step else 0)
-            # gloo completes a transfer only in its wait: the optimizer step waited for every chunk.
-            assert metrics["relibra/exec_state_waited_chunks"] == metrics["relibra/exec_state_chunks"]
+            waited = metrics["relibra/exec_state_waited_chunks"]
+            if (
+                torch.cuda.is_available()
+            ):  # NCCL: chunks may land in the expert hooks, before the optimizer step
+                assert 0 <= waited <= metrics["relibra/exec_state_chunks"]
+            else:  # gloo completes a transfer only in its wait: the optimizer step waited for every chunk
+                assert waited == metrics["relibra/exec_state_chunks"]
             # W1 + W2 of an expert (3 F D fp32 values), with AdamW's two moments once a step has run.
             per_expert = 3 * W.TINY["moe_ffn_hidden_size"] * W.TINY["hidden_size"] * 4 * (3 if step else 1)
             assert metrics["relibra/exec_migration_bytes"] == moved_out * per_expert

@@ -881,6 +881,13 @@ class MegatronEngine:
         # fp32 models: Megatron's main params are views of parameters that require grad; copy into them untracked.
         with torch.no_grad():
             for i, opt in enumerate(chained):
+                # Megatron allocates the Adam moments it then fills only when the inner optimizer's state is
+                # empty, but torch keeps that state in a defaultdict: a lookup before any step (the executor
+                # moving a fresh engine's experts to the checkpoint's placement) leaves empty entries behind, and
+                # the moments were never made (KeyError 'exp_avg' at the next step; seen at EP 2 on GPUs).
+                inner = opt.optimizer.state
+                for param in [p for p, entry in inner.items() if not entry]:
+                    del inner[param]
                 opt.load_state_dict(state["common"][i])
                 unshare_adam_steps(opt.optimizer)
                 # A checkpoint saved before the switch to fused Adam brings host step counters.

@@ -460,6 +460,12 @@ def build_model(
     )
     if value_head and model.post_process:
         model.output_layer = ValueHead(config)
+    if cuda:
+        # Megatron's TopKRouter makes its weight on the CPU and moves it at its first forward: an optimizer state
+        # made or loaded before that (torch's AdamW resuming a fresh engine) stayed on the CPU beside it.
+        for param in model.parameters():
+            if param.device.type == "cpu":
+                param.data = param.data.to(torch.cuda.current_device())
     offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
     num_local = len(model.decoder.layers)
     routers, ids = [], []

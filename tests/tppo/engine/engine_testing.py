@@ -82,15 +82,22 @@ def _child(target: Callable, rank: int, world: int, port: int, args: tuple, resu
 
 
 def run_ranks(target: Callable, world: int, *args: Any, timeout_s: float = 240.0) -> list[Any]:
-    """Run target(rank, *args) in `world` fresh processes joined over gloo; return the results by rank.
+    """Run target(rank, *args) in `world` fresh processes joined over gloo (NCCL, one GPU each, on a CUDA host);
+    return the results by rank.
 
-    Processes fork from a forkserver that imported torch and the engine once. A failure in any rank, or a
-    run past `timeout_s`, raises with the ranks' tracebacks; nothing is left running.
+    On CPU, processes fork from a forkserver that imported torch and the engine once; on a CUDA host they are
+    spawned. A failure in any rank, or a run past `timeout_s`, raises with the ranks' tracebacks; nothing is left
+    running.
     """
     from tppo.engine.parallel import reserved_port
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    if torch.cuda.is_available():
+        # One GPU per rank over NCCL: a forked child cannot initialise CUDA ("Cannot re-initialize CUDA in forked
+        # subprocess", seen with the forkserver on a GPU host), so the ranks start fresh.
+        ctx = mp.get_context("spawn")
+    else:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
     results = ctx.Queue()
     with reserved_port() as port:  # held until every rank has joined (and the run is over)
         procs = [
