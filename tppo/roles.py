@@ -87,42 +87,31 @@ def start_trainers(
 ) -> RankGroup:
     """Start `num_ranks` TrainerWorkers of `role` (Ray actors when `remote`, in `placement`'s bundles when
     given), wait until all are built (the rendezvous port stays reserved until then)."""
-    with reserved_port() as port:
-        return _start_ranks(role, cfg, parallel, num_ranks, remote, total_steps, placement, port)
-
-
-def _start_ranks(
-    role: str,
-    cfg: ExperimentConfig,
-    parallel: ParallelConfig,
-    num_ranks: int,
-    remote: bool,
-    total_steps: int,
-    placement: Reservation | None,
-    port: int,
-) -> RankGroup:
     optim = cfg.algo.critic_optim if role == "critic" else cfg.algo.actor_optim
-    handles = []
-    for rank in range(num_ranks):
-        spec = RankSpec(role=role, rank=rank, world_size=num_ranks, master_addr="127.0.0.1", master_port=port)
-        args = (
-            spec,
-            cfg.model,
-            parallel,
-            optim,
-            total_steps,
-            cfg.run.seed + (1 if role == "critic" else 0),
-            executor_spec(cfg) if role == "policy" else None,
-        )
-        if remote:
-            import ray
+    with reserved_port() as port:
+        handles = []
+        for rank in range(num_ranks):
+            spec = RankSpec(
+                role=role, rank=rank, world_size=num_ranks, master_addr="127.0.0.1", master_port=port
+            )
+            args = (
+                spec,
+                cfg.model,
+                parallel,
+                optim,
+                total_steps,
+                cfg.run.seed + (1 if role == "critic" else 0),
+                executor_spec(cfg) if role == "policy" else None,
+            )
+            if remote:
+                import ray
 
-            options = placement.options(role, rank) if placement else {"num_cpus": 0.01}
-            handles.append(ray.remote(TrainerWorker).options(**options).remote(*args))
-        else:
-            handles.append(TrainerWorker(*args))
-    group = RankGroup(role, handles, remote)
-    group.call("ready")
+                options = placement.options(role, rank) if placement else {"num_cpus": 0.01}
+                handles.append(ray.remote(TrainerWorker).options(**options).remote(*args))
+            else:
+                handles.append(TrainerWorker(*args))
+        group = RankGroup(role, handles, remote)
+        group.call("ready")
     return group
 
 
