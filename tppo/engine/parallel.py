@@ -75,8 +75,8 @@ def reserved_port() -> Iterator[int]:
 
     The port stays bound (SO_REUSEADDR, not listening) in this process, so the kernel hands it to no other socket
     meanwhile, while rank 0's TCPStore, which also sets SO_REUSEADDR, can still listen on it. A port that is only
-    probed free and released races with every other process on the host (seen in CI: two Slurm sweep jobs on one
-    node, EADDRINUSE at rank 0), so keep the block open until every rank has joined.
+    probed free and released races with every other process on the host (seen in CI: rank 0 of a Slurm sweep job
+    got EADDRINUSE seconds after the probe), so keep the block open until every rank has joined.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
