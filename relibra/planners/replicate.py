@@ -9,17 +9,19 @@ than eps and a move is possible:
   B_nic) / (a (1 + f_bwd)) prices a far pair's all-to-all time in compute pairs; the hot GPU h is the one with
   the largest load of that resource;
   compute-bound: move NEAR pairs first (compute only), then FAR pairs as long as the destination's NIC load stays
-  at or below the node's current maximum; NIC-bound: move FAR pairs (both loads), letting the destination's
-  compute rise at most to the node's current maximum (no move raises the other resource's maximum);
+  at or below the node's current maximum; NIC-bound: move FAR pairs (both loads), whatever that adds to the
+  destination's compute (later compute moves and the relaxation level it with near pairs);
   destinations: GPUs of the node other than h holding a replica of the expert (top-up) or with a free replica
   slot (new replica), below the target(s) the move adds to; amount x = min(excess of h, slack of the
   destination, movable pairs), rounded down to the GEMM tile unless it empties the item; a new replica needs
   x >= min_replica_tokens (tiny GEMMs are inefficient) and may take up to max(excess, min_replica_tokens);
   take the expert with the most movable pairs that has a legal move and its least loaded destination.
 A resource whose move is impossible is skipped until some move succeeds; the problem stops when both are.
-When the greedy stalls, a relaxation levels compute along the copies already made (near pairs move between an
-owner and its copy, half the load difference, copies stay >= the minimum quota), which frees slack on GPUs whose
-replica slots are taken; then the greedy runs again (`num_passes`, 2 by default). A problem also stops after
+When the greedy stalls, a relaxation (`_Greedy.relax`; one round, three after the last pass) levels compute along the
+copies already made (pairs move between an owner and its copy, half the load difference, near pairs first, copies
+stay >= the minimum quota), which frees slack on GPUs whose replica slots are taken, and levels each GPU pair's NIC
+load at equal compute (far pairs one way, as many near pairs the other); then the greedy runs again (`num_passes`,
+2 by default). A problem also stops after
 `patience` (2 Q) moves in a row that did not lower max C + kappa max F (measured: otherwise a few problems trade
 a few hundred pairs back and forth between the two resources for ~100 lockstep steps). With kappa = 0 (one node,
 or no cost model) and one pass this is the spec's token greedy.
@@ -33,7 +35,15 @@ the slack sat on GPUs whose slots were full; intra-node compute skew 1.039 -> 1.
 floors (`bottleneck_floors`): a node is levelled only down to the slowest node's compute target and, for NIC
 receives, to the busiest source's sends, which no copy can lower; below that a move cannot shorten the step
 (measured on the generator: MoE time / ideal 1.124 -> 1.120 at EP 32, 1.055 -> 1.053 at EP 16, since NIC moves no
-longer squeeze compute room where the receive side is not the bottleneck).
+longer squeeze compute room where the receive side is not the bottleneck). NIC moves used to stop where the
+destination's compute reached the node's maximum, and the relaxation moved near pairs only; then a GPU filled by a
+NIC move (its copy all far pairs) stayed above its compute target, and the NIC loads stayed where the first moves
+left them (the all-to-all 1.4% above the placement floor's at EP 32, half of the cells' receives > 1% above it).
+Measured on two generator steps at EP 32 (seed 0), MoE time / ideal and mean skew: 1.104 / 1.085 before; NIC moves
+uncapped 1.099 / 1.085; + far pairs in the relaxation's compute levelling 1.098 / 1.082; + its NIC levelling 1.095 /
+1.082; 3 relaxation rounds after the last pass instead of 1: 1.095 / 1.079 (all-to-all 0.3% above the floor's).
+Planning a step costs ~0.05-0.1 s more at EP 32 (one thread; ~0.5 s more under pxn routing, whose four far classes
+leave every problem with a NIC load above target, so the relaxation works on all of them).
 
 Routing (`relibra.cost_model`, `nic_routing`): the above is for direct routing. Under pxn only the two dispatch-like
 all-to-alls see where a far pair is served (kappa halves), and a source's sends stop bounding a GPU's receive (they
@@ -42,7 +52,8 @@ r leave through z's NIC r, so what counts is each GPU's receive FROM EACH source
 classes (one per source node) and the NIC resource is the (GPU, class) furthest above its class's target
 T_F,k = sum_g F_g,k / Q; a NIC move moves that class's pairs, a compute move the far pairs of the class the hot GPU
 has most above target. Measured (generator EP 32, pxn): MoE time / ideal 1.40 -> 1.19 (a GPU's home experts serve
-mostly one node's prompts, so without classes a node's sends crowd onto a few of its NICs).
+mostly one node's prompts, so without classes a node's sends crowd onto a few of its NICs); 1.17 with the relaxation
+levelling NIC loads, whose per-class targets then leave every problem above one, so it works on all of them.
 
 Token split: instance i of an expert serves FAR_i far pairs and NEAR_i near pairs (decided above; the home keeps
 the rest). Locality first: each instance takes the near pairs of the source on its own GPU (no transfer) up to
@@ -110,6 +121,13 @@ def _split_loads_BQH(
     else:
         far = (loads_MLSE.sum(axis=2)[:, lidx, slots_LGH] - near).reshape(shape)
     return near.reshape(shape).astype(np.int64), far.astype(np.int64)
+
+
+def _fill(budget_n: np.ndarray, caps_nK: np.ndarray) -> np.ndarray:
+    """int [n, K]: take up to caps[:, k] from each class in order until budget is spent (negative caps count as 0)."""
+    caps = np.maximum(caps_nK, 0).astype(np.int64)
+    before = np.cumsum(caps, axis=1) - caps
+    return np.clip(np.asarray(budget_n, dtype=np.int64)[:, None] - before, 0, caps)
 
 
 class _Greedy:
@@ -213,16 +231,15 @@ class _Greedy:
             self.far.take(active * Q + own, axis=0)[rows, :, cls],
         )  # [A, H]
         # Compute moves take near pairs first, then far pairs up to what keeps the destination's NIC load at or
-        # below the node's current maximum; NIC moves take far pairs and may lift the destination's compute up to
-        # the node's current maximum. Neither raises the other resource's maximum (max C + kappa max F only falls).
+        # below the node's current maximum. NIC moves take far pairs whatever they add to the destination's
+        # compute: a far pair weighs kappa compute pairs (5.9 on the Hopper defaults), and the compute moves and
+        # the relaxation level compute again with near pairs (module docstring: capping it cost all-to-all time).
         if self.kappa:
             nic_room = np.floor(np.maximum(max_F, T_F)[:, None] - F)
         else:
             nic_room = np.full(F.shape, np.inf)
         nic_col = nic[:, None]
-        slack = np.where(
-            nic_col, np.minimum(T_F[:, None] - F, np.maximum(max_C, T_C)[:, None] - C), T_C[:, None] - C
-        )
+        slack = np.where(nic_col, T_F[:, None] - F, T_C[:, None] - C)
         cold = np.where(nic_col, F, C)
         key = np.where(nic_col, far, near + far)
         order = np.argsort(-key, axis=1, kind="stable")  # hottest movable expert first
@@ -260,30 +277,81 @@ class _Greedy:
         return active
 
     def relax(self, num_rounds: int) -> None:
-        """Level compute along the existing copies: for each replica slot in turn (one per problem, so no two
-        updates touch the same GPU pair), move near pairs between the owner's home instance and the copy, half the
-        load difference, never leaving a copy below the minimum quota. The maximum never rises; it frees slack on
-        GPUs whose slots are taken so that the greedy can continue ("chains" of moves through existing copies)."""
+        """Level along the existing copies, for each replica slot in turn (one per problem, so no two updates touch
+        the same GPU pair), in the problems with a GPU above a target (levelling the others shortens nothing):
+
+        - compute: move pairs between the owner's home instance and the copy, half the load difference, never
+          leaving a copy below the minimum quota; near pairs first, then far pairs of each class as far as the
+          receiving GPU's NIC load stays at or below its class's maximum (or target, if higher). A copy that a NIC
+          move made holds far pairs only: without them the GPU it filled could not hand load back;
+        - NIC (with kappa > 0): per far class, far pairs go to whichever of the two GPUs receives less, as many near
+          pairs the other way (compute unchanged), half the difference.
+
+        No maximum rises; compute levelling frees slack on GPUs whose slots are taken so that the greedy can
+        continue ("chains" of moves through existing copies)."""
         Q, H = self.Q, self.H
         for _ in range(num_rounds):
+            above_C = self.load_C.max(axis=1) > self.T_C
+            above_F = (self.load_F.max(axis=1) > self.T_F * (1 + self.eps)).any(axis=1)
+            hot = np.flatnonzero(above_C | above_F)
             for q in range(Q):
                 for r in range(self.R):
-                    e = self.local[:, q, r]
-                    b = np.flatnonzero(e >= 0)
-                    if not len(b):
-                        continue
-                    o, h = e[b] // H, e[b] % H
-                    home_row = b * Q + o
-                    gap = self.load_C[b, o] - self.load_C[b, q]
-                    half = np.floor(np.abs(gap) / 2).astype(np.int64)
-                    copy = self.rep_near[b, q, r] + self.rep_far[b, q, r].sum(axis=-1)
-                    forward = np.minimum(half, self.near[home_row, h])
-                    backward = np.minimum(np.minimum(half, self.rep_near[b, q, r]), copy - self.min_pairs)
-                    x = np.where(gap > 0, forward, -np.maximum(backward, 0))
-                    self.near[home_row, h] -= x
-                    self.rep_near[b, q, r] += x
-                    self.load_C[b, o] -= x
-                    self.load_C[b, q] += x
+                    e = self.local[hot, q, r]
+                    b, e = hot[e >= 0], e[e >= 0]
+                    if len(b):
+                        o, h = e // H, e % H
+                        self._level_compute(b, o, b * Q + o, h, q, r)
+                        if self.kappa:
+                            self._level_nic(b, o, b * Q + o, h, q, r)
+
+    def _level_compute(self, b, o, home_row, h, q: int, r: int) -> None:
+        """The compute move of `relax` in problems b between home instance (o, h) and its copy in slot r of GPU q."""
+        gap = self.load_C[b, o] - self.load_C[b, q]
+        to_copy = gap > 0
+        want = np.floor(np.abs(gap) / 2).astype(np.int64)
+        copy_near, copy_far = self.rep_near[b, q, r], self.rep_far[b, q, r]  # [n], [n, K]
+        # What the copy may give back without falling below the minimum quota.
+        spare = np.maximum(copy_near + copy_far.sum(axis=-1) - self.min_pairs, 0)
+        x = np.where(
+            to_copy, np.minimum(want, self.near[home_row, h]), -np.minimum(np.minimum(want, copy_near), spare)
+        )
+        self.near[home_row, h] -= x
+        self.rep_near[b, q, r] += x
+        budget = np.where(to_copy, want - x, np.minimum(want + x, spare + x))  # x <= 0 when to_home
+        i = np.flatnonzero(budget > 0) if self.kappa else []
+        if len(i):  # then far pairs, class after class, within the receiving GPU's NIC room
+            b_i, o_i, row_i, h_i = b[i], o[i], home_row[i], h[i]
+            F = self.load_F[b_i]  # [i, Q, K]
+            top = np.maximum(F.max(axis=1), self.T_F[b_i])  # [i, K]: no class's maximum rises
+            room = np.where(
+                to_copy[i, None],
+                np.minimum(self.far[row_i, h_i], np.floor(top - F[:, q])),
+                np.minimum(copy_far[i], np.floor(top - F[np.arange(len(i)), o_i])),
+            )
+            y = _fill(budget[i], room) * np.where(to_copy[i], 1, -1)[:, None]
+            self.far[row_i, h_i] -= y
+            self.rep_far[b_i, q, r] += y
+            self.load_F[b_i, o_i] -= y
+            self.load_F[b_i, q] += y
+            x[i] += y.sum(axis=1)
+        self.load_C[b, o] -= x
+        self.load_C[b, q] += x
+
+    def _level_nic(self, b, o, home_row, h, q: int, r: int) -> None:
+        """The NIC move of `relax`: far pairs for near pairs between home instance (o, h) and its copy (q, r)."""
+        gap = self.load_F[b, o] - self.load_F[b, q]  # [n, K]
+        want = np.floor(np.abs(gap) / 2)
+        out = _fill(self.rep_near[b, q, r], np.where(gap > 0, np.minimum(want, self.far[home_row, h]), 0))
+        back = _fill(self.near[home_row, h], np.where(gap < 0, np.minimum(want, self.rep_far[b, q, r]), 0))
+        y = out - back  # far pairs to the copy, per class; as many near pairs come home
+        i = np.flatnonzero(y.any(axis=1))
+        b, o, home_row, h, y = b[i], o[i], home_row[i], h[i], y[i]
+        self.far[home_row, h] -= y
+        self.rep_far[b, q, r] += y
+        self.near[home_row, h] += y.sum(axis=1)
+        self.rep_near[b, q, r] -= y.sum(axis=1)
+        self.load_F[b, o] -= y
+        self.load_F[b, q] += y
 
     def _apply(self, b, res, own, h, q, x, k) -> None:
         Q, H = self.Q, self.H
@@ -317,7 +385,7 @@ def greedy_replicas(
     kappa: float = 0.0,
     max_moves: int = 0,
     num_passes: int = 2,
-    num_relax_rounds: int = 1,
+    num_relax_rounds: int = 3,
     patience: int | None = None,
     floor_C_B: np.ndarray | None = None,
     floor_F_B: np.ndarray | None = None,
@@ -326,6 +394,8 @@ def greedy_replicas(
     or far_BQH [B, Q, H, K]: K classes of far pairs, each levelled on its own (source nodes, under pxn routing).
 
     kappa = 0 ignores NIC balance: the spec's token greedy (copies take near pairs first, then far ones).
+    num_relax_rounds: rounds of the relaxation after the last pass (one after each earlier pass: it only has to free
+    slack for the next; the rounds at the end level what no move can).
     patience: moves without a fall of max C + kappa max F before a problem stops (default 2 Q: enough to lower
     every GPU of a tie at the maximum).
     floor_C_B / floor_F_B: per problem, no GPU is levelled below these (pairs): the targets rise to floor / (1 + eps)
@@ -343,14 +413,14 @@ def greedy_replicas(
         state.T_F[:] = np.inf  # NIC load is not balanced: never the binding resource
     if num_replica_slots == 0 or Q == 1:
         return state.result()
-    for _ in range(num_passes):
+    for i in range(num_passes):
         state.restart()
         active = np.arange(B)
         for _ in range(max_moves or 4 * Q * (num_replica_slots + H)):
             if not len(active):
                 break
             active = state.step(active)
-        state.relax(num_relax_rounds)
+        state.relax(num_relax_rounds if i == num_passes - 1 else 1)
     return state.result()
 
 
