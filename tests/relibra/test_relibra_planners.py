@@ -339,6 +339,12 @@ def _greedy_inputs(seed: int):
     return near, far
 
 
+def _served_loads_BQ(rs):
+    """Compute load C and far (NIC) load F per GPU of every problem: home instances plus copies."""
+    F = rs.far_left_BQH.sum(-1) + rs.far_BQR.sum(-1)
+    return rs.near_left_BQH.sum(-1) + rs.near_BQR.sum(-1) + F, F
+
+
 def test_replication_greedy_keeps_inputs_and_pairs():
     near, far = _greedy_inputs(0)
     before = near.copy(), far.copy()
@@ -396,8 +402,7 @@ def test_replication_greedy_patience_loses_nothing(seed):
     kappa = 3.0
 
     def objective(rs):
-        C = rs.near_left_BQH.sum(-1) + rs.far_left_BQH.sum(-1) + rs.near_BQR.sum(-1) + rs.far_BQR.sum(-1)
-        F = rs.far_left_BQH.sum(-1) + rs.far_BQR.sum(-1)
+        C, F = _served_loads_BQ(rs)
         return C.max(axis=1) + kappa * F.max(axis=1)
 
     start = (near + far).sum(-1).max(axis=1) + kappa * far.sum(-1).max(axis=1)
@@ -417,8 +422,7 @@ def test_replication_greedy_against_the_levelling_bound():
     for seed in range(3):
         near, far = _greedy_inputs(seed)
         rs = greedy_replicas(near, far, 2, 64, 0.02, 16, kappa)
-        C = rs.near_left_BQH.sum(-1) + rs.far_left_BQH.sum(-1) + rs.near_BQR.sum(-1) + rs.far_BQR.sum(-1)
-        F = rs.far_left_BQH.sum(-1) + rs.far_BQR.sum(-1)
+        C, F = _served_loads_BQ(rs)
         Q = near.shape[1]
         T_C, T_F = np.ceil((near + far).sum(axis=(1, 2)) / Q), far.sum(axis=(1, 2)) / Q
         objective.append((C.max(axis=1) + kappa * F.max(axis=1)) / (T_C + kappa * T_F))
