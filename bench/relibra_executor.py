@@ -127,7 +127,7 @@ def _plans(args, topo: Topology):
         gpus_per_node=topo.gpus_per_node,
         replica_slots=topo.num_replica_slots,
         min_replica_tokens=args.min_replica_tokens,
-        planner_threads=1,
+        planner_processes=1,
     )
     ctx = PlanContext(topo=topo, config=cfg, cost=CostModel.from_yaml(cfg.cost_model), topk=args.topk)
     static_topo = Topology(topo.num_gpus, topo.gpus_per_node, topo.num_experts, 0)

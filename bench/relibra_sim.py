@@ -13,7 +13,7 @@ hierarchical and global policies) and >= 1.3x faster than static on the MoE part
 over every step and, as `warm`, over the steps after the first (which starts from Megatron's static placement and
 pays a one-time migration out of it); and it times
 the relibra planner on one step of 32 micro-batches x 48 layers x 128 experts at EP 32 (wall and CPU seconds,
-1 and 2 threads, with the machine's load average), cold (from a fresh state, Megatron's static placement) and warm
+1 and 2 processes, with the machine's load average), cold (from a fresh state, Megatron's static placement) and warm
 (from the previous step's state, as in training). Prints tables; writes everything to --json.
 `--nic-routing pxn` simulates NCCL's default routing on rail-optimised nodes instead of the planners' direct one
 (relibra.cost_model; default JSON bench/out/relibra_sim_pxn.json).
@@ -35,6 +35,7 @@ from relibra.cost_model import NIC_ROUTINGS, CostModel, moe_lower_bound_us
 from relibra.loads import LoadTrace, loads_from_vllm_logs
 from relibra.plan import PlannerState, Topology
 from relibra.planners import PlanContext, run_planner
+from relibra.planners.parallel import start_workers
 from relibra.simulate import DEFAULT_PLANS, format_table, simulate_trace
 from relibra.synthetic import SyntheticLoads, generate_loads
 
@@ -115,15 +116,19 @@ def _run(label: str, trace: LoadTrace, ep: int, cfg: RelibraConfig, cost: CostMo
 
 def _planning_time(trace: LoadTrace, cost: CostModel, repeats: int) -> list[dict]:
     """Wall and CPU seconds of planning one step, cold (from Megatron's static placement, a fresh state) and warm
-    (from the state the previous step of the trace left: a training run's usual case), 1 and 2 threads."""
+    (from the state the previous step of the trace left: a training run's usual case), in 1 and 2 processes (this
+    one and a worker; the CPU seconds are this process's). The workers start before the timing, as a run starts
+    them when it builds its planner; their start is timed apart."""
     topo = Topology(32, 8, trace.num_experts, 2)
     out = []
-    for threads in (1, 2):
-        ctx = PlanContext(topo, RelibraConfig(planner_threads=threads), cost, trace.topk)
+    for processes in (1, 2):
+        ctx = PlanContext(topo, RelibraConfig(planner_processes=processes), cost, trace.topk)
+        start = time.perf_counter()
+        start_workers(processes)
+        row: dict = {"processes": processes, "worker_start_s": time.perf_counter() - start}
         states = [PlannerState()]
         for n in range(trace.num_steps - 1):
             states.append(run_planner("relibra", trace.loads_NMLSE[n], ctx, states[-1])[1])
-        row: dict = {"threads": threads}
         for kind, steps in (
             ("cold", [0] * repeats),
             ("warm", [1 + r % (trace.num_steps - 1) for r in range(repeats)]),
@@ -192,7 +197,7 @@ def main() -> None:
     )
     for t in timing:
         print(
-            f"threads {t['threads']}: "
+            f"processes {t['processes']} (workers started in {t['worker_start_s']:.2f} s): "
             + ", ".join(
                 f"{k} wall median {t[f'{k}_wall_s_median']:.3f} s (min {t[f'{k}_wall_s_min']:.3f}, "
                 f"CPU {t[f'{k}_cpu_s_median']:.3f} s)"

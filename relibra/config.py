@@ -60,7 +60,9 @@ class RelibraConfig:
         help="swaps priced exactly per layer in each descent round, spread over the node pairs (0: off; more: a "
         "better placement, slower)",
     )
-    planner_threads: int = spec(
-        2, ge=1, help="threads that plan chunks of layers in parallel (numpy kernels)"
+    planner_processes: int = spec(
+        2,
+        ge=1,
+        help="processes that plan chunks of layers in parallel: this one and planner_processes - 1 spawned workers",
     )
     eplb_num_groups: int = spec(0, ge=0, help="EPLB expert groups; 0 = one group per expert")

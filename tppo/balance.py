@@ -23,7 +23,8 @@ import torch
 from relibra.config import RelibraConfig
 from relibra.cost_model import CostModel, step_cost
 from relibra.plan import Plan, PlannerState, Topology, static_home_LE
-from relibra.planners import PlanContext, run_planner
+from relibra.planners import PARALLEL_PLANNERS, PlanContext, run_planner
+from relibra.planners.parallel import start_workers
 from tppo.config import ModelConfig
 from tppo.engine.batch import TrainBatch, replayed_ids
 
@@ -101,6 +102,8 @@ class LoadPlanner:
             model.hidden_size, model.moe_ffn_hidden_size
         )
         self.ctx = PlanContext(topo=self.topo, config=cfg, cost=cost, topk=model.moe_topk)
+        if cfg.planner in PARALLEL_PLANNERS:
+            start_workers(cfg.planner_processes)  # here, so that the first step's planner_s is planning only
         self.name, self.layout, self.num_experts = cfg.planner, layout, num_experts
         self.state = PlannerState()
         self._before = PlannerState()

@@ -10,15 +10,13 @@
   `greedy_lpt` (LPT reorder + replication).
 
 Every stage of the ReLibra family is independent per layer, so those planners split the layers into
-`planner_threads` fixed chunks planned on threads (NumPy releases the GIL in its kernels); chunk k draws from the
-random stream (seed, step, k), so plans depend on the seed and the thread count only.
+`planner_processes` fixed chunks planned in parallel, this process and spawned workers (`relibra.planners.parallel`);
+chunk k draws from the random stream (seed, step, k), so plans depend on the seed and the chunk count only.
 
 Legend: M micro-batches, L layers, S source ranks, E experts.
 """
 
 from __future__ import annotations
-
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -26,6 +24,7 @@ from relibra.cost_model import ideal_step_cost
 from relibra.plan import IdealPlan, Plan, PlannerState, static_home_LE
 from relibra.planners.base import PlanContext, PlannerFn, check_loads, home_plan, next_state, previous_home
 from relibra.planners.eplb import eplb_plan
+from relibra.planners.parallel import ChunkFn, plan_by_layer_chunks
 from relibra.planners.refine import refine_home
 from relibra.planners.reorder import (
     ReorderWeights,
@@ -37,7 +36,7 @@ from relibra.planners.reorder import (
 from relibra.planners.replicate import replicated_plan
 from tppo.registry import Registry
 
-__all__ = ["PLANNERS", "PlanContext", "PlannerFn", "run_planner"]
+__all__ = ["PARALLEL_PLANNERS", "PLANNERS", "PlanContext", "PlannerFn", "run_planner"]
 
 PLANNERS: Registry[PlannerFn] = Registry("relibra planner")
 
@@ -117,67 +116,50 @@ def annealed_home(loads_MLSE: np.ndarray, prev_LE: np.ndarray, ctx: PlanContext,
     return refine_home(prob, home, cfg.refine_rounds, cfg.refine_candidates)
 
 
-def _by_layer_chunks(loads_MLSE, ctx: PlanContext, state: PlannerState, plan_chunk) -> Plan:
-    """Layers are independent in every ReLibra stage: plan fixed chunks of layers on `planner_threads` threads
-    (NumPy releases the GIL in its kernels) and stitch the plans. Chunk k draws from the random stream
-    (seed, step, k), so a plan depends on the seed and the thread count, not on scheduling."""
-    L = loads_MLSE.shape[1]
-    prev = previous_home(state, L, ctx.topo)
-    chunks = [c for c in np.array_split(np.arange(L), max(1, min(ctx.config.planner_threads, L))) if len(c)]
-    jobs = [
-        (
-            loads_MLSE[:, c[0] : c[-1] + 1],
-            prev[c[0] : c[-1] + 1],
-            np.random.default_rng([ctx.config.seed, state.num_steps, k]),
-        )
-        for k, c in enumerate(chunks)
-    ]
-    if len(jobs) == 1:
-        parts = [plan_chunk(*jobs[0])]
-    else:
-        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-            parts = list(pool.map(lambda job: plan_chunk(*job), jobs))
-    return Plan(
-        home_LE=np.concatenate([p.home_LE for p in parts]),
-        slots_MLGJ=np.concatenate([p.slots_MLGJ for p in parts], axis=1),
-        quota_MLGJS=np.concatenate([p.quota_MLGJS for p in parts], axis=1),
-        num_home_slots=ctx.topo.num_home_slots,
-    )
+# The planners that plan by chunks of layers on `planner_processes` processes.
+PARALLEL_PLANNERS = frozenset({"relibra", "reorder_only", "replicate_only", "greedy_lpt"})
+
+
+def _by_layer_chunks(chunk_fn: ChunkFn, loads_MLSE, ctx: PlanContext, state: PlannerState):
+    """Plan the step by chunks of layers in parallel (`relibra.planners.parallel`); returns (plan, next_state)."""
+    prev = previous_home(state, loads_MLSE.shape[1], ctx.topo)
+    plan = plan_by_layer_chunks(chunk_fn, loads_MLSE, prev, ctx, state.num_steps)
+    return plan, next_state(state, plan.home_LE)
+
+
+# Chunk planners: module-level, so that worker processes import them by name.
+def _relibra_chunk(loads, prev, rng, ctx: PlanContext) -> Plan:
+    return replicated_plan(loads, annealed_home(loads, prev, ctx, rng), ctx.topo, ctx.config, ctx.cost)
+
+
+def _reorder_only_chunk(loads, prev, rng, ctx: PlanContext) -> Plan:
+    return home_plan(loads, annealed_home(loads, prev, ctx, rng), ctx.topo)
+
+
+def _replicate_only_chunk(loads, prev, rng, ctx: PlanContext) -> Plan:
+    home = static_home_LE(loads.shape[1], ctx.topo)
+    return replicated_plan(loads, home, ctx.topo, ctx.config, ctx.cost)
+
+
+def _greedy_lpt_chunk(loads, prev, rng, ctx: PlanContext) -> Plan:
+    return replicated_plan(loads, greedy_lpt_home(loads, ctx.topo), ctx.topo, ctx.config, ctx.cost)
 
 
 @PLANNERS.register("relibra")
 def plan_relibra(loads_MLSE, ctx, state):
-    def chunk(loads, prev, rng):
-        home = annealed_home(loads, prev, ctx, rng)
-        return replicated_plan(loads, home, ctx.topo, ctx.config, ctx.cost)
-
-    plan = _by_layer_chunks(loads_MLSE, ctx, state, chunk)
-    return plan, next_state(state, plan.home_LE)
+    return _by_layer_chunks(_relibra_chunk, loads_MLSE, ctx, state)
 
 
 @PLANNERS.register("reorder_only")
 def plan_reorder_only(loads_MLSE, ctx, state):
-    def chunk(loads, prev, rng):
-        return home_plan(loads, annealed_home(loads, prev, ctx, rng), ctx.topo)
-
-    plan = _by_layer_chunks(loads_MLSE, ctx, state, chunk)
-    return plan, next_state(state, plan.home_LE)
+    return _by_layer_chunks(_reorder_only_chunk, loads_MLSE, ctx, state)
 
 
 @PLANNERS.register("replicate_only")
 def plan_replicate_only(loads_MLSE, ctx, state):
-    def chunk(loads, prev, rng):
-        home = static_home_LE(loads.shape[1], ctx.topo)
-        return replicated_plan(loads, home, ctx.topo, ctx.config, ctx.cost)
-
-    plan = _by_layer_chunks(loads_MLSE, ctx, state, chunk)
-    return plan, next_state(state, plan.home_LE)
+    return _by_layer_chunks(_replicate_only_chunk, loads_MLSE, ctx, state)
 
 
 @PLANNERS.register("greedy_lpt")
 def plan_greedy_lpt(loads_MLSE, ctx, state):
-    def chunk(loads, prev, rng):
-        return replicated_plan(loads, greedy_lpt_home(loads, ctx.topo), ctx.topo, ctx.config, ctx.cost)
-
-    plan = _by_layer_chunks(loads_MLSE, ctx, state, chunk)
-    return plan, next_state(state, plan.home_LE)
+    return _by_layer_chunks(_greedy_lpt_chunk, loads_MLSE, ctx, state)

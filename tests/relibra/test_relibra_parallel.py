@@ -1,0 +1,93 @@
+"""Planning chunks of layers on worker processes against planning them in this process."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from relibra.config import RelibraConfig
+from relibra.cost_model import CostModel
+from relibra.plan import PlannerState, Topology, static_home_LE
+from relibra.planners import PlanContext, _relibra_chunk, run_planner
+from relibra.planners.parallel import PlannerWorkerError, plan_by_layer_chunks, shutdown_workers
+from relibra.synthetic import SyntheticLoads, generate_loads
+from relibra.validate import validate_plan
+
+TOPO = Topology(16, 8, 32, 2)
+
+
+def _loads(L: int = 5, seed: int = 0) -> np.ndarray:
+    params = SyntheticLoads(
+        num_steps=1, num_microbatches=3, num_layers=L, num_source_ranks=16, num_experts=32, topk=4,
+        tokens_per_rank=512, group_size=4, seed=seed,
+    )  # fmt: skip
+    return generate_loads(params).loads_NMLSE[0]
+
+
+def _ctx(processes: int) -> PlanContext:
+    cfg = RelibraConfig(min_replica_tokens=32, anneal_iters=300, planner_processes=processes)
+    return PlanContext(TOPO, cfg, CostModel.from_yaml(), 4)
+
+
+def _shm_names() -> set[str]:
+    """Python's shared-memory blocks (the workers' semaphores live there too, and stay with the pools)."""
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    return {name for name in os.listdir("/dev/shm") if name.startswith("psm_")}
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_workers_plan_what_this_process_plans_chunk_by_chunk(processes):
+    loads = _loads()
+    before = _shm_names()
+    state = PlannerState(
+        home_LE=np.random.default_rng(1).permuted(static_home_LE(5, TOPO), axis=1), num_steps=4
+    )
+    plan, _ = run_planner("relibra", loads, _ctx(processes), state)
+    validate_plan(plan, loads, TOPO)
+    chunks = [c for c in np.array_split(np.arange(5), processes)]
+    ctx = _ctx(1)
+    parts = [
+        _relibra_chunk(
+            loads[:, c[0] : c[-1] + 1], state.home_LE[c[0] : c[-1] + 1], np.random.default_rng([0, 4, k]), ctx
+        )
+        for k, c in enumerate(chunks)
+    ]
+    np.testing.assert_array_equal(plan.home_LE, np.concatenate([p.home_LE for p in parts]))
+    np.testing.assert_array_equal(plan.slots_MLGJ, np.concatenate([p.slots_MLGJ for p in parts], axis=1))
+    np.testing.assert_array_equal(plan.quota_MLGJS, np.concatenate([p.quota_MLGJS for p in parts], axis=1))
+    assert _shm_names() <= before, "shared-memory blocks left behind"
+
+
+@pytest.fixture
+def faults(monkeypatch):
+    """The failing chunk planners, importable by workers started after this (they take this sys.path)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    shutdown_workers()
+    import chunk_faults
+
+    yield chunk_faults
+    shutdown_workers()
+
+
+def test_a_workers_exception_reaches_the_caller_and_the_workers_stay(faults):
+    loads, ctx, prev = _loads(), _ctx(2), static_home_LE(5, TOPO)
+    before = _shm_names()
+    with pytest.raises(ValueError, match="failed on purpose"):
+        plan_by_layer_chunks(faults.fail_in_worker, loads, prev, ctx, step=0)
+    plan = plan_by_layer_chunks(_relibra_chunk, loads, prev, ctx, step=0)
+    validate_plan(plan, loads, TOPO)
+    assert _shm_names() <= before
+
+
+def test_a_dead_worker_is_a_clear_error_and_the_next_step_gets_new_workers(faults):
+    loads, ctx, prev = _loads(), _ctx(2), static_home_LE(5, TOPO)
+    before = _shm_names()
+    with pytest.raises(PlannerWorkerError, match="died planning layers"):
+        plan_by_layer_chunks(faults.die_in_worker, loads, prev, ctx, step=0)
+    plan = plan_by_layer_chunks(_relibra_chunk, loads, prev, ctx, step=0)
+    validate_plan(plan, loads, TOPO)
+    assert _shm_names() <= before
