@@ -35,7 +35,7 @@ from relibra.cost_model import NIC_ROUTINGS, CostModel, moe_lower_bound_us
 from relibra.loads import LoadTrace, loads_from_vllm_logs
 from relibra.plan import PlannerState, Topology
 from relibra.planners import PlanContext, run_planner
-from relibra.planners.parallel import start_workers
+from relibra.planners.parallel import shutdown_workers, start_workers
 from relibra.simulate import DEFAULT_PLANS, format_table, simulate_trace
 from relibra.synthetic import SyntheticLoads, generate_loads
 
@@ -123,6 +123,7 @@ def _planning_time(trace: LoadTrace, cost: CostModel, repeats: int) -> list[dict
     out = []
     for processes in (1, 2):
         ctx = PlanContext(topo, RelibraConfig(planner_processes=processes), cost, trace.topk)
+        shutdown_workers()  # the simulations above started them: time a fresh start
         start = time.perf_counter()
         start_workers(processes)
         row: dict = {"processes": processes, "worker_start_s": time.perf_counter() - start}

@@ -197,7 +197,13 @@ def plan_by_layer_chunks(
                 raise _broken(workers, pool, "the planner's worker pool is broken", err) from err
         lo, hi = bounds[0]
         try:
-            first = chunk_fn(loads_MLSE[:, lo:hi], prev_LE[lo:hi], np.random.default_rng(seeds[0]), ctx)
+            # Contiguous, as a worker gets its chunk: float reductions may depend on the layout.
+            first = chunk_fn(
+                np.ascontiguousarray(loads_MLSE[:, lo:hi]),
+                prev_LE[lo:hi],
+                np.random.default_rng(seeds[0]),
+                ctx,
+            )
         except BaseException:
             wait(futures)  # the workers still map the blocks this exit unlinks
             raise
