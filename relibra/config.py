@@ -63,6 +63,6 @@ class RelibraConfig:
     planner_processes: int = spec(
         2,
         ge=1,
-        help="processes that plan chunks of layers in parallel: this one and planner_processes - 1 spawned workers",
+        help="processes that plan chunks of layers in parallel: this one and planner_processes - 1 worker processes",
     )
     eplb_num_groups: int = spec(0, ge=0, help="EPLB expert groups; 0 = one group per expert")

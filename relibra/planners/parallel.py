@@ -5,14 +5,16 @@ not scale on them: the stages are thousands of NumPy calls on arrays of kilobyte
 held between (and inside many of) them. Measured on a warm EP 32 step (32 micro-batches x 48 layers x 128 experts)
 on a 2-core machine: 1 thread 0.83 s wall; 2 threads 0.76 s wall for 1.18 s of CPU; two separate processes planning
 the whole step each at the same time ran at 0.84-0.87 s, i.e. at full speed. So the calling process plans the first
-chunk and spawned workers plan the others. The loads go to a worker and its quotas (the bulk of a plan: 19 MB per
+chunk and worker processes plan the others. The loads go to a worker and its quotas (the bulk of a plan: 19 MB per
 24 layers at EP 32) come back through shared memory, since a pipe moved them at ~300 MB/s (0.1 s per step); the
 placement and the slots are small and travel pickled.
 
-Workers are spawned, not forked (the driver that plans runs Ray's threads, and a forked child of a threaded process
-can deadlock), once per worker count and process; `start_workers` starts them ahead of the first step. A worker's
-exception is raised in the caller; a worker that dies breaks its pool, which is dropped (the next call starts a new
-one) after raising `PlannerWorkerError`.
+Workers are forked by a fork server (`forkserver`), a clean process started for that, so they inherit neither the
+threads of the driver that plans (Ray's; a forked child of a threaded process can deadlock) nor its memory; once per
+worker count and process, and `start_workers` starts them ahead of the first step. Like spawned workers they import
+the main module, so a script that plans with more than one process must do so under `if __name__ == "__main__":`.
+A worker's exception is raised in the caller; a worker that dies breaks its pool, which is dropped (the next call
+starts a new one) after raising `PlannerWorkerError`.
 
 Chunk k of a step draws from the random stream (seed, step, k), so a plan depends on the seed and the number of
 chunks, never on which process planned what.
