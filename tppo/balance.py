@@ -15,6 +15,7 @@ Legend: M micro-batches, L MoE layers, S source (EP) ranks, E experts, B rows, T
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,11 +109,21 @@ class LoadPlanner:
         self.state = PlannerState()
         self._before = PlannerState()
         self.expert_load_LE: np.ndarray | None = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relibra-planner")
 
     def plan(self, batches: list[list[TrainBatch]]) -> StepPlan:
+        return self.start(batches).result()
+
+    def start(self, batches: list[list[TrainBatch]]) -> Future[StepPlan]:
+        """Plan in the background, on one thread so that steps plan in order, while the driver waits for the
+        critic update and the old log-probs (the plan is needed only by the policy update). The routing is read
+        here, so the batches may change once this returns; `refused` must wait for the result."""
         loads = loads_from_batches(batches, self.layout, self.num_experts)
         per_expert = loads.sum(axis=(0, 2))
         self.expert_load_LE = per_expert if self.expert_load_LE is None else self.expert_load_LE + per_expert
+        return self._thread.submit(self._plan, loads)
+
+    def _plan(self, loads: np.ndarray) -> StepPlan:
         prev_home = (
             self.state.home_LE
             if self.state.home_LE is not None

@@ -1,8 +1,9 @@
 """The T-PPO driver loop (specs/tppo.md): one process that holds no model and runs the dataflow of each step.
 
     take from the pool -> generate one window (routing recorded) -> score finished -> values -> advantages
-    -> ReLibra plan from the replayed routing -> critic update (finished only) -> policy update (routing replay)
-    -> weight sync to the rollout engine -> put back, metrics, checkpoint on schedule
+    -> ReLibra plan from the replayed routing (in the background, during the next two stages) -> critic update
+    (finished only) -> old log-probs -> policy update (routing replay, under the plan) -> weight sync to the
+    rollout engine -> put back, metrics, checkpoint on schedule
 
 Colocated roles time-share the devices (cluster.time_shared): the trainers offload before generation, the
 rollout engine sleeps after it and the critic offloads after its update; a role's next call brings it back.
@@ -14,6 +15,7 @@ spec's "readings" for the choices the paper leaves open.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,7 +107,7 @@ def rl_step(
     metrics |= adv_metrics
     policy_in = roles.policy.policy_batches(batch, adv)
     updates_policy = step >= cfg.algo.critic_warmup_steps
-    step_plan = plan(roles, policy_in, timer) if updates_policy and cfg.algo.routing_replay == "r3" else None
+    planning = start_plan(roles, policy_in) if updates_policy and cfg.algo.routing_replay == "r3" else None
     finished = [s for s in batch if s.finished]
     if finished:
         with timer("critic_update"):
@@ -122,10 +124,11 @@ def rl_step(
             outs = roles.policy.forward(policy_in, record_routing=record)
             metrics |= fill_old_logprobs(policy_in, outs, record)
         if record:
-            step_plan = plan(roles, policy_in, timer)
+            planning = start_plan(roles, policy_in)
         if roles.reference is not None:
             with timer("ref_logprobs"):
                 fill_ref_logprobs(policy_in, roles.reference.forward(policy_in))
+        step_plan = finish_plan(planning, timer)
         with timer("policy_update"):
             result = roles.policy.train(policy_in, policy_objective(cfg, policy_in), step_plan)
             metrics |= _step_metrics("tppo", result)
@@ -148,12 +151,19 @@ def offload_trainers(roles: Roles) -> None:
             trainer.ranks.call("offload")
 
 
-def plan(roles: Roles, policy_in: list[list[Any]], timer: PhaseTimer) -> StepPlan | None:
-    """ReLibra's plan for the policy update, from the routing it will replay (None when ReLibra is off)."""
-    if roles.planner is None:
+def start_plan(roles: Roles, policy_in: list[list[Any]]) -> Future[StepPlan] | None:
+    """Start ReLibra's plan for the policy update from the routing it will replay (None when ReLibra is off); it
+    runs in the background while the critic updates and the old (and reference) log-probs are computed."""
+    return None if roles.planner is None else roles.planner.start(policy_in)
+
+
+def finish_plan(planning: Future[StepPlan] | None, timer: PhaseTimer) -> StepPlan | None:
+    """The plan, once ready; perf/plan_wait_s is how long the step waited for it (relibra/planner_s: how long
+    planning took)."""
+    if planning is None:
         return None
-    with timer("plan"):
-        return roles.planner.plan(policy_in)
+    with timer("plan_wait"):
+        return planning.result()
 
 
 def sync_weights(roles: Roles, cfg: ExperimentConfig) -> None:

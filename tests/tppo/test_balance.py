@@ -129,6 +129,32 @@ def test_planner_rolls_back_a_refused_plan():
     assert planner.state is before
 
 
+def test_background_plans_read_the_routing_when_they_start_and_plan_in_order():
+    """What the driver does: start a step's plan, change the batches (old log-probs fill them), start the next
+    step's before the first is read; the plans equal those planned one after the other."""
+    rng = np.random.default_rng(3)
+    steps = [[_sample(f"{n}-{i}", 12, rng, hot=n % 2 == 0) for i in range(4)] for n in range(3)]
+    cfg = dataclasses.replace(RelibraConfig(), gpus_per_node=2, replica_slots=1, min_replica_tokens=0)
+    model, layout = ModelConfig(num_experts=E, moe_topk=K), RouterLayout(ep=2, aligned=True)
+    in_order = LoadPlanner(cfg, model, layout)
+    expected = [in_order.plan(_batches(samples, ranks=2, mbs=2)) for samples in steps]
+    background = LoadPlanner(cfg, model, layout)
+    started = []
+    for samples in steps:
+        batches = _batches(samples, ranks=2, mbs=2)
+        started.append(background.start(batches))
+        for rank in batches:
+            for batch in rank:
+                batch.routed_experts_BTLK.zero_()
+    for future, want in zip(started, expected, strict=True):
+        got = future.result()
+        np.testing.assert_array_equal(got.loads_MLSE, want.loads_MLSE)
+        np.testing.assert_array_equal(got.plan.home_LE, want.plan.home_LE)
+        np.testing.assert_array_equal(got.plan.quota_MLGJS, want.plan.quota_MLGJS)
+    assert background.state.num_steps == len(steps)
+    np.testing.assert_array_equal(background.state.home_LE, in_order.state.home_LE)
+
+
 def test_planner_takes_the_configured_nic_routing():
     """`relibra.nic_routing` overrides the cost model's routing; the planner plans with it."""
     cfg = dataclasses.replace(RelibraConfig(), gpus_per_node=1, replica_slots=1)
