@@ -478,14 +478,16 @@ def placement_floor_us(loads_MLSE: np.ndarray, home_LE: np.ndarray, topo: Topolo
 
       direct routing:  c max_z NL_z / Q + 4 (max(max_z Recv_z / Q, max_s Send_s) bytes / B_nic + lat),
       pxn routing:     c max_z NL_z / Q + 2 (max(max_z Recv_z / Q, max_z Sent_z / Q) bytes / B_nic + lat)
-                                        + 2 (max(max_z Recv_z / Q, max_s Send_s) bytes / B_nic + lat),
-    Sent_z = sum of Send_s over node z's sources.
+                                        + 2 (max(max_{z, r} Rail_zr, max_s Send_s) bytes / B_nic + lat),
+    Sent_z = sum of Send_s over node z's sources, Rail_zr = the pairs of the sources of local index r on other nodes
+    to experts homed on node z (so sum_r Rail_zr = Recv_z).
 
     Why it holds: t(n) >= c n / (1 + f_bwd) (the tile only rounds up); node z's pairs are computed on its Q GPUs, so
     one of them computes at least NL_z / Q; they also receive Recv_z over their NICs, one at least Recv_z / Q; a
     pair of source s to another node's expert is served in that node and crosses s's own NIC (direct: both ways;
-    pxn: only on its way back, its way out leaves through one of the Q NICs of s's node, and the results of
-    Recv_z leave through node z's Q NICs); replica transfers only add time.
+    pxn: only on its way back, its way out leaves through one of the Q NICs of s's node); under pxn the results for
+    the sources of local index r leave node z through its NIC r, whichever of its GPUs computed them (Rail_zr, fixed
+    by the placement); replica transfers only add time.
     """
     M, L, _S, E = loads_MLSE.shape
     Z, Q = topo.num_nodes, topo.node_size
@@ -504,6 +506,10 @@ def placement_floor_us(loads_MLSE: np.ndarray, home_LE: np.ndarray, topo: Topolo
         dispatch = combine
     else:
         dispatch = np.maximum(recv, send_MLS.reshape(M, L, Z, Q).sum(axis=-1).max(axis=-1) / Q)
+        to_node_MLZQY = np.einsum("mlse,lye->mlsy", loads_MLSE, in_node_LZE).reshape(M, L, Z, Q, Z)
+        away_ZY = ~np.eye(Z, dtype=bool)
+        rail_MLRY = np.einsum("mlzry,zy->mlry", to_node_MLZQY, away_ZY)
+        combine = np.maximum(rail_MLRY.max(axis=(-2, -1)), send_MLS.max(axis=-1))
     nic_us = cost.nic_us((dispatch + combine) * cost.pair_bytes) * (NUM_ALLTOALLS // 2)
     lat = cost.alltoall_latency_us * (W_MLE.sum(axis=-1) > 0)
     return float((compute + nic_us + NUM_ALLTOALLS * lat).sum())

@@ -94,35 +94,65 @@ class _Descent:
         in_node_LZE = (home_LE[:, None, :] // Q) == np.arange(Z)[None, :, None]
         away_LZ1E = (~in_node_LZE[:, :, None, :]).astype(np.float32)  # source node z, expert e
         self.SD = (away_LZ1E @ self.D.reshape(L, Z, E, Q * M)).reshape(L, Z * Q, M)
+        self.pxn = prob.weights.pxn
+        if self.pxn:
+            # RX[l, z, e] = pairs of the sources of every local index r outside node z to expert e [Q, M]: what e
+            # adds to node z's rails when homed there. SZ: the sends of each node's sources, RL: the rails.
+            self.RX = self.D.sum(axis=1, keepdims=True) - self.D
+            self.SZ = self.SD.reshape(L, Z, Q, M).sum(axis=2)
+            in_node_LZ1E = in_node_LZE[:, :, None, :].astype(np.float32)
+            self.RL = (in_node_LZ1E @ self.RX.reshape(L, Z, E, Q * M)).reshape(L, Z * Q, M)
 
-    def per_micro_batch(self, NL_max, RC_max, SD_max):
-        return self.wN * NL_max + self.wX * np.maximum(RC_max, self.Q * SD_max)
+    def per_micro_batch(self, NL_max, RC_max, SD_max, SZ_max=None, RL_max=None):
+        """Direct routing: the four all-to-alls wait for max(RC, Q SD); pxn: two for max(RC, SZ), two for
+        Q max(RL, SD) (`relibra.cost_model.placement_floor_us`, in pairs times Q)."""
+        if not self.pxn:
+            return self.wN * NL_max + self.wX * np.maximum(RC_max, self.Q * SD_max)
+        dispatch = np.maximum(RC_max, SZ_max)
+        combine = self.Q * np.maximum(RL_max, SD_max)
+        return self.wN * NL_max + 0.5 * self.wX * (dispatch + combine)
 
     def current(self, act: np.ndarray) -> np.ndarray:
         """F without migration of the layers `act`."""
         NL, RC, SD = self.NL[act], self.RC[act], self.SD[act]
-        return self.per_micro_batch(NL.max(axis=1), RC.max(axis=1), SD.max(axis=1)).sum(axis=-1)
+        pxn = (self.SZ[act].max(axis=1), self.RL[act].max(axis=1)) if self.pxn else ()
+        return self.per_micro_batch(NL.max(axis=1), RC.max(axis=1), SD.max(axis=1), *pxn).sum(axis=-1)
 
     def subgradient(self, act: np.ndarray) -> np.ndarray:
-        """[n, E, Z]: g(e, t) of the module docstring for the layers `act`."""
+        """[n, E, Z]: g(e, t) of the module docstring for the layers `act` (under pxn, the same terms for the
+        dispatch's and the combine's bottlenecks, half weight each)."""
         prob, M, Z, Q = self.prob, self.M, self.Z, self.Q
         NL, RC, SD = self.NL[act], self.RC[act], self.SD[act]
         eye = np.eye(Z)
-        node_ind = eye[NL.argmax(axis=1)]  # [n, M, Z]
-        recv_binds = (RC.max(axis=1) >= Q * SD.max(axis=1))[..., None]
-        recv_ind = eye[RC.argmax(axis=1)] * recv_binds
-        top_src = SD.argmax(axis=1)  # [n, M]
-        send_ind = eye[top_src // Q] * ~recv_binds
-        d_top = self.D[act[:, None], top_src // Q, :, top_src % Q, np.arange(M)[None, :]]  # [n, M, E]
-        W = prob.W_LEM[act]
-        # matmul, not einsum: several times faster for these batched products
-        A_recv = (prob.A_LZEM[act] @ recv_ind.transpose(0, 2, 1)[..., None])[..., 0]  # [n, Z, E]
-        t_node = W @ node_ind
-        t_recv = W @ recv_ind - A_recv.transpose(0, 2, 1)
-        t_send = Q * (d_top.transpose(0, 2, 1) @ send_ind)
+        W, A = prob.W_LEM[act], prob.A_LZEM[act]
         here = (self.home_LE[act] // Q)[..., None]
         at = lambda t: np.take_along_axis(t, here, axis=2)  # noqa: E731
-        return self.wN * (t_node - at(t_node)) + self.wX * (t_recv - at(t_recv) + at(t_send) - t_send)
+        away = lambda t: t - at(t)  # noqa: E731  what moving e from its node to node t adds
+
+        def per_node(X_nZEM: np.ndarray, ind_nMZ: np.ndarray) -> np.ndarray:
+            """[n, E, Z]: sum_m ind[m, z] X[z, e, m] (matmul: several times faster than einsum here)."""
+            return (X_nZEM @ ind_nMZ.transpose(0, 2, 1)[..., None])[..., 0].transpose(0, 2, 1)
+
+        g = self.wN * away(W @ eye[NL.argmax(axis=1)])
+        top_src = SD.argmax(axis=1)  # [n, M]
+        d_top = self.D[act[:, None], top_src // Q, :, top_src % Q, np.arange(M)[None, :]]  # [n, M, E]
+        send = lambda binds: Q * (d_top.transpose(0, 2, 1) @ (eye[top_src // Q] * binds))  # noqa: E731
+        if not self.pxn:
+            recv_binds = (RC.max(axis=1) >= Q * SD.max(axis=1))[..., None]
+            recv_ind = eye[RC.argmax(axis=1)] * recv_binds
+            t_recv = W @ recv_ind - per_node(A, recv_ind)
+            return g + self.wX * (away(t_recv) - away(send(~recv_binds)))
+        SZ, RL = self.SZ[act], self.RL[act]
+        recv_binds = (RC.max(axis=1) >= SZ.max(axis=1))[..., None]  # dispatch: receives or a node's sends
+        recv_ind = eye[RC.argmax(axis=1)] * recv_binds
+        t_recv = W @ recv_ind - per_node(A, recv_ind)
+        t_sent = per_node(A, eye[SZ.argmax(axis=1)] * ~recv_binds)
+        rail_binds = (RL.max(axis=1) >= SD.max(axis=1))[..., None]  # combine: a rail or a source's sends
+        top_rail = RL.argmax(axis=1)
+        d_rail = self.RX[act[:, None], top_rail // Q, :, top_rail % Q, np.arange(M)[None, :]]  # [n, M, E]
+        t_rail = Q * (d_rail.transpose(0, 2, 1) @ (eye[top_rail // Q] * rail_binds))
+        dispatch, combine = away(t_recv) - away(t_sent), away(t_rail) - away(send(~rail_binds))
+        return g + 0.5 * self.wX * (dispatch + combine)
 
     def candidates(self, act: np.ndarray, top_k: int) -> _Screen:
         """For every node pair (a, b), the top_k experts of a cheapest to move to b and those of b to a."""
@@ -170,12 +200,29 @@ class _Descent:
         send_b = SD[n_rows, self.second][:, :, None] + self.D[rows, b, eb]
         new_send_a = _max_over_sources(send_a[:, :, :, None], self.D[rows, a, eb][:, :, None])
         new_send_b = _max_over_sources(send_b[:, :, None], self.D[rows, b, ea][:, :, :, None])
+        pxn = ()
+        if self.pxn:
+            SZ = self.SZ[act]
+            new_sz = np.maximum(
+                np.maximum(at(SZ, self.first) - grid(A[rows, a, ea], A[rows, a, eb]),
+                           at(SZ, self.second) + grid(A[rows, b, ea], A[rows, b, eb])),
+                self._others_max(SZ),
+            )  # fmt: skip
+            RL = self.RL[act].reshape(n, self.Z, Q, self.M)
+            RX = self.RX
+            rail_a = RL[n_rows, self.first][:, :, None] - RX[rows, a, ea]  # [n, P, k, Q, M] before e2 arrives
+            rail_b = RL[n_rows, self.second][:, :, None] - RX[rows, b, eb]
+            new_rail_a = _max_over_sources(rail_a[:, :, :, None], -RX[rows, a, eb][:, :, None])
+            new_rail_b = _max_over_sources(rail_b[:, :, None], -RX[rows, b, ea][:, :, :, None])
+            new_rl = np.maximum(np.maximum(new_rail_a, new_rail_b), self._others_max(RL.max(axis=2)))
+            pxn = (new_sz, new_rl)
         new = self.per_micro_batch(
             np.maximum(np.maximum(at(NL, self.first) + dW, at(NL, self.second) - dW), self._others_max(NL)),
             np.maximum(
                 np.maximum(at(RC, self.first) + d_ra, at(RC, self.second) + d_rb), self._others_max(RC)
             ),
             np.maximum(np.maximum(new_send_a, new_send_b), self._others_max(SD.max(axis=2))),
+            *pxn,
         ).sum(axis=-1)
         g1, g2 = self.home_LE[rows, ea][..., :, None], self.home_LE[rows, eb][..., None, :]
         e1, e2, L_X = ea[..., :, None], eb[..., None, :], act[:, None, None, None]
@@ -197,6 +244,12 @@ class _Descent:
         src = np.arange(Q)[None, :]
         self.SD[layers[:, None], a[:, None] * Q + src] += self.D[layers, a, e1] - self.D[layers, a, e2]
         self.SD[layers[:, None], b[:, None] * Q + src] += self.D[layers, b, e2] - self.D[layers, b, e1]
+        if self.pxn:
+            self.SZ[layers, a] += A[layers, a, e1] - A[layers, a, e2]
+            self.SZ[layers, b] += A[layers, b, e2] - A[layers, b, e1]
+            RX = self.RX
+            self.RL[layers[:, None], a[:, None] * Q + src] += RX[layers, a, e2] - RX[layers, a, e1]
+            self.RL[layers[:, None], b[:, None] * Q + src] += RX[layers, b, e1] - RX[layers, b, e2]
         g1, g2 = self.home_LE[layers, e1], self.home_LE[layers, e2]
         self.home_LE[layers, e1], self.home_LE[layers, e2] = g2, g1
 

@@ -62,6 +62,9 @@ class ReorderWeights:
     migrate_nic: float
     migrate_nvlink: float
     beta: float
+    pxn: bool = (
+        False  # the cost model routes pxn (relibra.cost_model); the descent prices that routing's floor
+    )
 
     @classmethod
     def from_config(cls, cfg, cost: CostModel, topo: Topology, alltoall_share: float = 1.0) -> ReorderWeights:
@@ -77,6 +80,7 @@ class ReorderWeights:
             migrate_nic=cfg.reorder_migration_weight * float(cost.nic_us(per_expert)) / G,
             migrate_nvlink=cfg.reorder_migration_weight * float(cost.nvlink_us(per_expert)) / G,
             beta=cfg.smooth_beta,
+            pxn=cost.nic_routing == "pxn",
         )
 
 

@@ -408,13 +408,14 @@ def test_placement_floor_holds_for_every_in_node_plan_on_its_placement(setup3, a
     assert placement_floor_us(loads, relibra.home_LE, topo, cost) < bare
 
 
-def test_placement_floor_is_exact_without_copies_and_tiles():
+@pytest.mark.parametrize("routing", ["direct", "pxn"])
+def test_placement_floor_is_exact_without_copies_and_tiles(routing):
     """One GPU per node (no copy can exist), tile 1 and no fixed GEMM cost: the floor is the plan's MoE time."""
     trace = generate_loads(SyntheticLoads(num_steps=1, num_microbatches=3, num_layers=2, num_source_ranks=4,
                                           num_experts=8, topk=2, tokens_per_rank=50))  # fmt: skip
     loads = trace.loads_NMLSE[0]
     topo = Topology(4, 1, 8, 2)
-    cost = dataclasses.replace(COST, gemm_tile=1, gemm_us_fixed=0.0)
+    cost = dataclasses.replace(COST, gemm_tile=1, gemm_us_fixed=0.0, nic_routing=routing)
     home = np.random.default_rng(0).permuted(static_home_LE(2, topo), axis=1)
     moe = step_cost(home_plan(loads, home, topo), loads, 2, topo, cost, home).moe_us
     assert placement_floor_us(loads, home, topo, cost) == pytest.approx(moe, rel=1e-12)

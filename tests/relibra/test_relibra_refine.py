@@ -3,6 +3,7 @@ evaluation agrees with the full one, and with every swap screened it stops only 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -18,7 +19,7 @@ from relibra.synthetic import SyntheticLoads, generate_loads
 COST = CostModel.from_yaml()
 
 
-def _problem(G: int, Q: int, E: int, seed: int = 0, M: int = 3, L: int = 3):
+def _problem(G: int, Q: int, E: int, seed: int = 0, M: int = 3, L: int = 3, routing: str = "direct"):
     loads = generate_loads(
         SyntheticLoads(num_steps=1, num_microbatches=M, num_layers=L, num_source_ranks=G, num_experts=E, topk=2,
                        tokens_per_rank=96, group_size=2, seed=seed)
@@ -27,7 +28,8 @@ def _problem(G: int, Q: int, E: int, seed: int = 0, M: int = 3, L: int = 3):
     rng = np.random.default_rng(seed)
     prev = rng.permuted(static_home_LE(L, topo), axis=1)
     home = rng.permuted(static_home_LE(L, topo), axis=1)
-    prob = reorder_problem(loads, prev, topo, ReorderWeights.from_config(RelibraConfig(), COST, topo))
+    cost = dataclasses.replace(COST, nic_routing=routing)
+    prob = reorder_problem(loads, prev, topo, ReorderWeights.from_config(RelibraConfig(), cost, topo))
     return loads, topo, prev, home, prob
 
 
@@ -37,9 +39,12 @@ def _swapped(home_LE: np.ndarray, layer: int, e1: int, e2: int) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("G, Q", [(8, 4), (12, 4)])
-def test_objective_is_the_placement_floor_plus_migration(G, Q):
-    loads, topo, prev, home, prob = _problem(G, Q, E=2 * G)
+ROUTED = [(8, 4, "direct"), (12, 4, "direct"), (8, 4, "pxn"), (12, 4, "pxn"), (16, 4, "pxn")]
+
+
+@pytest.mark.parametrize("G, Q, routing", ROUTED)
+def test_objective_is_the_placement_floor_plus_migration(G, Q, routing):
+    loads, topo, prev, home, prob = _problem(G, Q, E=2 * G, routing=routing)
     F = floor_objective_L(prob, home).sum()
     latency = NUM_ALLTOALLS * COST.alltoall_latency_us * (loads.sum(axis=(2, 3)) > 0).sum()
     node = np.arange(G) // Q
@@ -48,13 +53,14 @@ def test_objective_is_the_placement_floor_plus_migration(G, Q):
     same_node = node[home] == node[prev]
     migration = (moved & ~same_node).sum() * COST.nic_us(per_expert) / G
     migration += (moved & same_node).sum() * COST.nvlink_us(per_expert) / G
-    want = placement_floor_us(loads, home, topo, COST) - latency + migration
+    want = placement_floor_us(loads, home, topo, dataclasses.replace(COST, nic_routing=routing)) - latency
+    want += migration
     assert want == pytest.approx(F, rel=1e-9)
 
 
-@pytest.mark.parametrize("G, Q", [(8, 4), (12, 4)])
-def test_incremental_deltas_and_updates_match_full_evaluation(G, Q):
-    _loads, _topo, _prev, home, prob = _problem(G, Q, E=2 * G, seed=1)
+@pytest.mark.parametrize("G, Q, routing", ROUTED)
+def test_incremental_deltas_and_updates_match_full_evaluation(G, Q, routing):
+    _loads, _topo, _prev, home, prob = _problem(G, Q, E=2 * G, seed=1, routing=routing)
     state = _Descent(prob, home)
     act = np.arange(home.shape[0])
     rng = np.random.default_rng(2)
@@ -73,14 +79,16 @@ def test_incremental_deltas_and_updates_match_full_evaluation(G, Q):
         picks = rng.integers(0, e1.shape[1], size=len(act))
         state.apply(act, e1[act, picks], e2[act, picks], pair_C[picks])
         fresh = _Descent(prob, state.home_LE)
-        for name in ("NL", "RC", "SD"):
+        for name in ("NL", "RC", "SD") + (("SZ", "RL") if routing == "pxn" else ()):
             np.testing.assert_allclose(getattr(state, name), getattr(fresh, name), atol=1e-6)
 
 
-@pytest.mark.parametrize("G, Q, seed", [(4, 2, 0), (4, 2, 1), (6, 2, 2)])
-def test_descent_with_every_swap_screened_ends_in_a_swap_local_optimum(G, Q, seed):
+@pytest.mark.parametrize(
+    "G, Q, seed, routing", [(4, 2, 0, "direct"), (4, 2, 1, "direct"), (6, 2, 2, "direct"), (6, 2, 3, "pxn")]
+)
+def test_descent_with_every_swap_screened_ends_in_a_swap_local_optimum(G, Q, seed, routing):
     E = 2 * G
-    _loads, _topo, _prev, home, prob = _problem(G, Q, E, seed=seed, M=4, L=2)
+    _loads, _topo, _prev, home, prob = _problem(G, Q, E, seed=seed, M=4, L=2, routing=routing)
     start = floor_objective_L(prob, home)
     # E^2 candidates cover every node pair's (E / Z)^2 swaps: every swap is screened
     assert screen_width(E * E, G // Q, E) == E // (G // Q)
