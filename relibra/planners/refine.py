@@ -13,6 +13,15 @@ cross-node weights and mig its migration cost; with alpha = beta = 1, F is the f
 plus migration. Swapped experts exchange GPUs, so every GPU keeps H experts and the annealing's arrangement inside
 a node stays (the replicas level it).
 
+Under pxn routing (the cost model's `nic_routing`) the floor's two dispatch-like all-to-alls wait for
+max(max_z Recv, max_z Sent) and its two combine-like ones for Q max(max_{z, r} Rail, max_s Send), Sent[m, z] the
+sends of node z's sources and Rail[m, z, r] the pairs of the sources of local index r outside node z to experts
+homed on z (their results leave node z through its NIC r, whichever GPU computed them); F then has w_X / 2 times
+the sum of the two where direct routing has w_X max(...), and the screen below prices those four bottlenecks the
+same way (a node's sends: A_ze leaves with e; a rail (zL, rL): Q RX_{zL, e, rL}, the pairs of e from the sources of
+index rL outside node zL, comes with e). Measured on the generator at EP 32 under pxn (seed 0): 1.169 of ideal with
+the descent on the direct floor, 1.162 on pxn's floor with the direct screen, 1.160 with pxn's screen.
+
 Each round, all layers in lockstep:
 - screen: the subgradient of F prices moving expert e from its node a to node t,
     g(e, t) = sum_m w_N W_e[m] ([t = zN_m] - [a = zN_m]) + w_X (r_e(t) - r_e(a) + q_e(a) - q_e(t)),
