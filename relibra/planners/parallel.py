@@ -13,8 +13,8 @@ Workers are forked by a fork server (`forkserver`), a clean process started for 
 threads of the driver that plans (Ray's; a forked child of a threaded process can deadlock) nor its memory; once per
 worker count and process, and `start_workers` starts them ahead of the first step. Like spawned workers they import
 the main module, so a script that plans with more than one process must do so under `if __name__ == "__main__":`.
-A worker's exception is raised in the caller; a worker that dies breaks its pool, which is dropped (the next call
-starts a new one) after raising `PlannerWorkerError`.
+A worker's exception is raised in the caller. A worker that dies (killed, out of memory) breaks its pool: this
+process plans that chunk itself (the same plan), warns, and drops the pool, so the next call starts new workers.
 
 Chunk k of a step draws from the random stream (seed, step, k), so a plan depends on the seed and the number of
 chunks, never on which process planned what.
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -48,7 +49,7 @@ _POOLS_LOCK = threading.Lock()
 
 
 class PlannerWorkerError(RuntimeError):
-    """A planner worker process died (killed, out of memory) while planning a chunk of layers."""
+    """The planner's worker processes could not start."""
 
 
 @dataclass(frozen=True)
@@ -165,16 +166,20 @@ def _plan_in_worker(
     return plan.home_LE, plan.slots_MLGJ
 
 
-def _broken(workers: int, pool: ProcessPoolExecutor, what: str, err: BrokenProcessPool) -> PlannerWorkerError:
-    _drop_pool(workers, pool)
-    return PlannerWorkerError(f"{what} ({err}); the next step starts new planner workers")
+def _plan_here(chunk_fn: ChunkFn, loads_MLSE: np.ndarray, prev_LE: np.ndarray, lo: int, hi: int, seed, ctx):
+    # Contiguous, as a worker gets its chunk: float reductions may depend on the layout.
+    loads = np.ascontiguousarray(loads_MLSE[:, lo:hi])
+    return chunk_fn(loads, prev_LE[lo:hi], np.random.default_rng(seed), ctx)
 
 
 def plan_by_layer_chunks(
     chunk_fn: ChunkFn, loads_MLSE: np.ndarray, prev_LE: np.ndarray, ctx: PlanContext, step: int
 ) -> Plan:
     """Plan `ctx.config.planner_processes` fixed chunks of layers, the first in this process and the others on
-    workers, and stitch the plans. `chunk_fn` must be a module-level function (workers import it by name)."""
+    workers, and stitch the plans. `chunk_fn` must be a module-level function (workers import it by name).
+
+    A worker that dies (killed, out of memory) costs time, not the step: this process plans its chunk (the same
+    plan: same loads, same random stream), warns, and the next call starts new workers."""
     M, L, S, E = loads_MLSE.shape
     G, H = ctx.topo.num_gpus, ctx.topo.num_home_slots
     J = H + ctx.topo.num_replica_slots
@@ -185,6 +190,8 @@ def plan_by_layer_chunks(
         return chunk_fn(loads_MLSE, prev_LE, np.random.default_rng(seeds[0]), ctx)
     workers = len(chunks) - 1
     pool = _pool(workers)
+    quota = np.empty((M, L, G, J, S), dtype=np.int32)
+    homes, slots, died = [None] * len(chunks), [None] * len(chunks), []
     with ExitStack() as blocks:
         futures, quotas = [], []
         for (lo, hi), seed in zip(bounds[1:], seeds[1:], strict=True):
@@ -195,31 +202,36 @@ def plan_by_layer_chunks(
                 futures.append(
                     pool.submit(_plan_in_worker, chunk_fn, loads, prev_LE[lo:hi], seed, ctx, quotas[-1])
                 )
-            except BrokenProcessPool as err:
-                raise _broken(workers, pool, "the planner's worker pool is broken", err) from err
-        lo, hi = bounds[0]
+            except BrokenProcessPool:  # broken while idle: this process plans the chunk below
+                futures.append(None)
         try:
-            # Contiguous, as a worker gets its chunk: float reductions may depend on the layout.
-            first = chunk_fn(
-                np.ascontiguousarray(loads_MLSE[:, lo:hi]),
-                prev_LE[lo:hi],
-                np.random.default_rng(seeds[0]),
-                ctx,
-            )
+            first = _plan_here(chunk_fn, loads_MLSE, prev_LE, *bounds[0], seeds[0], ctx)
         except BaseException:
-            wait(futures)  # the workers still map the blocks this exit unlinks
+            wait([f for f in futures if f is not None])  # the workers still map the blocks this exit unlinks
             raise
-        try:
-            results = [future.result() for future in futures]
-        except BrokenProcessPool as err:
-            raise _broken(workers, pool, f"a planner worker died planning layers {bounds[1:]}", err) from err
-        quota = np.empty((M, L, G, J, S), dtype=np.int32)
-        quota[:, lo:hi] = first.quota_MLGJS
-        for (lo, hi), block in zip(bounds[1:], quotas, strict=True):
-            block.read_into(quota[:, lo:hi])
+        homes[0], slots[0], quota[:, slice(*bounds[0])] = first.home_LE, first.slots_MLGJ, first.quota_MLGJS
+        for k, (future, block) in enumerate(zip(futures, quotas, strict=True), start=1):
+            lo, hi = bounds[k]
+            try:
+                if future is None:
+                    raise BrokenProcessPool("the pool was broken before the step")
+                homes[k], slots[k] = future.result()
+                block.read_into(quota[:, lo:hi])
+            except BrokenProcessPool as err:
+                died.append((lo, hi, err))
+                plan = _plan_here(chunk_fn, loads_MLSE, prev_LE, lo, hi, seeds[k], ctx)
+                homes[k], slots[k], quota[:, lo:hi] = plan.home_LE, plan.slots_MLGJ, plan.quota_MLGJS
+    if died:
+        _drop_pool(workers, pool)
+        warnings.warn(
+            f"a planner worker died ({died[0][2]}); layers {[d[:2] for d in died]} were planned in this process, "
+            "and the next step starts new workers",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return Plan(
-        home_LE=np.concatenate([first.home_LE, *(home for home, _ in results)]),
-        slots_MLGJ=np.concatenate([first.slots_MLGJ, *(slots for _, slots in results)], axis=1),
+        home_LE=np.concatenate(homes),
+        slots_MLGJ=np.concatenate(slots, axis=1),
         quota_MLGJS=quota,
         num_home_slots=H,
     )
