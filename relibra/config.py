@@ -55,7 +55,7 @@ class RelibraConfig:
         64, ge=0, help="rounds of the exact swap descent on the placement floor after annealing (0: off)"
     )
     refine_candidates: int = spec(
-        256,
+        384,
         ge=0,
         help="swaps priced exactly per layer in each descent round, spread over the node pairs (0: off; more: a "
         "better placement, slower)",

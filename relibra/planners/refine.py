@@ -35,8 +35,10 @@ Each round, all layers in lockstep:
 - the best candidate of a layer is applied if it lowers F; a layer where none does is done (its state, hence its
   candidates, would not change); the descent stops when every layer is done or after `max_rounds` rounds.
 Measured on the generator (32 micro-batches x 4096 tokens per rank, 48 layers, the step after a warm-up step), floor
-over ideal MoE time at EP 16 / 32: 1.035 / 1.092 after the annealing alone; 1.017 / 1.079 with the default 256
-candidates per layer and round (k = 16 / 6; ~0.2 s more planning at EP 32); 1.015 / 1.072 with 1536 (seconds). An
+over ideal MoE time at EP 16 / 32: 1.035 / 1.092 after the annealing alone; 1.017 / 1.079 with 256 candidates per
+layer and round (k = 16 / 6; ~0.2 s more planning at EP 32); with the default 384 (k = 19 / 8), over three steps of
+three seeds, 1.018-1.023 / 1.073-1.075 where 256 gave 1.019-1.024 / 1.078 (~0.1 s more); 1.015 / 1.072 with 1536
+(seconds). An
 exhaustive best-swap descent (every cross-node swap priced each round) took single layers from 1.047-1.053 /
 1.080-1.088 to 1.022-1.029 / 1.059-1.064 in 7-19 swaps, at ~0.1-0.2 s per layer: that is the headroom left at EP 32.
 
