@@ -57,9 +57,9 @@ class _SharedArray:
     """An array in a named shared-memory block: what a process needs to map it.
 
     Reads and writes map the block only for the copy, so no array ever holds its buffer when it closes (an
-    exception's traceback would otherwise keep a view alive and the close would fail). Spawned children share
-    their parent's resource tracker, so mapping the block there registers nothing new: the creator's unlink is the
-    only cleanup.
+    exception's traceback would otherwise keep a view alive and the close would fail). The workers share this
+    process's resource tracker (the fork server passes it on), so mapping a block there registers nothing new: the
+    creator's unlink is the only cleanup, and the tracker unlinks what a killed creator left.
     """
 
     name: str
