@@ -25,6 +25,7 @@ Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots pe
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -156,7 +157,10 @@ def _plan_in_worker(
     quota: _SharedArray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Plan one chunk from shared loads, write its quotas into the shared block; return (home_LE, slots_MLGJ)."""
-    plan = chunk_fn(loads.read(), prev_LE, np.random.default_rng(seed), ctx)
+    loads_MLSE = loads.read().astype(
+        np.int64, copy=False
+    )  # what this process's chunk gets (int32 in transit)
+    plan = chunk_fn(loads_MLSE, prev_LE, np.random.default_rng(seed), ctx)
     if plan.quota_MLGJS.shape != quota.shape:
         raise ValueError(
             f"{getattr(chunk_fn, '__name__', chunk_fn)} returned quotas of shape {plan.quota_MLGJS.shape}, "
@@ -172,6 +176,28 @@ def _plan_here(chunk_fn: ChunkFn, loads_MLSE: np.ndarray, prev_LE: np.ndarray, l
     return chunk_fn(loads, prev_LE[lo:hi], np.random.default_rng(seed), ctx)
 
 
+def _shared_memory_free() -> int | None:
+    """Bytes free where POSIX shared memory lives (/dev/shm on Linux; a container's is 64 MiB unless raised), or
+    None where that is not a directory to ask."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _plan_all_here(chunk_fn: ChunkFn, loads_MLSE, prev_LE, bounds, seeds, ctx: PlanContext) -> Plan:
+    parts = [
+        _plan_here(chunk_fn, loads_MLSE, prev_LE, lo, hi, seed, ctx) for (lo, hi), seed in zip(bounds, seeds)
+    ]
+    return Plan(
+        home_LE=np.concatenate([p.home_LE for p in parts]),
+        slots_MLGJ=np.concatenate([p.slots_MLGJ for p in parts], axis=1),
+        quota_MLGJS=np.concatenate([p.quota_MLGJS for p in parts], axis=1),
+        num_home_slots=ctx.topo.num_home_slots,
+    )
+
+
 def plan_by_layer_chunks(
     chunk_fn: ChunkFn, loads_MLSE: np.ndarray, prev_LE: np.ndarray, ctx: PlanContext, step: int
 ) -> Plan:
@@ -179,7 +205,9 @@ def plan_by_layer_chunks(
     workers, and stitch the plans. `chunk_fn` must be a module-level function (workers import it by name).
 
     A worker that dies (killed, out of memory) costs time, not the step: this process plans its chunk (the same
-    plan: same loads, same random stream), warns, and the next call starts new workers."""
+    plan: same loads, same random stream), warns, and the next call starts new workers. Where shared memory has no
+    room for the workers' loads and quotas (writing past a full /dev/shm kills the writer with SIGBUS), this process
+    plans every chunk, with a warning."""
     M, L, S, E = loads_MLSE.shape
     G, H = ctx.topo.num_gpus, ctx.topo.num_home_slots
     J = H + ctx.topo.num_replica_slots
@@ -188,6 +216,18 @@ def plan_by_layer_chunks(
     seeds = [[ctx.config.seed, step, k] for k in range(len(chunks))]
     if len(chunks) == 1:
         return chunk_fn(loads_MLSE, prev_LE, np.random.default_rng(seeds[0]), ctx)
+    # Counts fit int32 (the loads' in transit: half the bytes); quotas are int32 anyway.
+    transit = np.int32 if loads_MLSE.max(initial=0) < 2**31 else np.int64
+    need = sum(M * (hi - lo) * S * (E * np.dtype(transit).itemsize + G * J * 4) for lo, hi in bounds[1:])
+    free = _shared_memory_free()
+    if free is not None and need > 0.8 * free:
+        warnings.warn(
+            f"planning a step on workers needs {need / 2**20:.0f} MiB of shared memory and /dev/shm has "
+            f"{free / 2**20:.0f} MiB free: planning in this process (in a container, raise its --shm-size)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return _plan_all_here(chunk_fn, loads_MLSE, prev_LE, bounds, seeds, ctx)
     workers = len(chunks) - 1
     pool = _pool(workers)
     quota = np.empty((M, L, G, J, S), dtype=np.int32)
@@ -195,7 +235,7 @@ def plan_by_layer_chunks(
     with ExitStack() as blocks:
         futures, quotas = [], []
         for (lo, hi), seed in zip(bounds[1:], seeds[1:], strict=True):
-            loads = blocks.enter_context(_shared_block((M, hi - lo, S, E), loads_MLSE.dtype))
+            loads = blocks.enter_context(_shared_block((M, hi - lo, S, E), transit))
             loads.write(loads_MLSE[:, lo:hi])
             quotas.append(blocks.enter_context(_shared_block((M, hi - lo, G, J, S), np.int32)))
             try:

@@ -14,7 +14,7 @@ import pytest
 from relibra.config import RelibraConfig
 from relibra.cost_model import CostModel
 from relibra.plan import PlannerState, Topology, static_home_LE
-from relibra.planners import PlanContext, _relibra_chunk, run_planner
+from relibra.planners import PlanContext, _relibra_chunk, parallel, run_planner
 from relibra.planners.parallel import plan_by_layer_chunks, shutdown_workers
 from relibra.synthetic import SyntheticLoads, generate_loads
 from relibra.validate import validate_plan
@@ -112,3 +112,15 @@ def test_a_script_without_the_main_guard_gets_a_clear_error_not_a_hang(tmp_path)
     )
     assert run.returncode != 0
     assert "PlannerWorkerError" in run.stderr and 'if __name__ == "__main__":' in run.stderr
+
+
+def test_without_room_in_shared_memory_this_process_plans_every_chunk(monkeypatch):
+    """A full /dev/shm would kill the writer (SIGBUS): with too little room, no block is made, same plan."""
+    loads, ctx, prev = _loads(), _ctx(3), static_home_LE(5, TOPO)
+    want = plan_by_layer_chunks(_relibra_chunk, loads, prev, ctx, step=0)
+    monkeypatch.setattr(parallel, "_shared_memory_free", lambda: 1024)
+    monkeypatch.setattr(parallel, "_shared_block", None)  # any block would fail loudly
+    with pytest.warns(RuntimeWarning, match="shm-size"):
+        got = plan_by_layer_chunks(_relibra_chunk, loads, prev, ctx, step=0)
+    for name in ("home_LE", "slots_MLGJ", "quota_MLGJS"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
