@@ -13,7 +13,7 @@ hierarchical and global policies) and >= 1.3x faster than static on the MoE part
 over every step and, as `warm`, over the steps after the first (which starts from Megatron's static placement and
 pays a one-time migration out of it); and it times
 the relibra planner on one step of 32 micro-batches x 48 layers x 128 experts at EP 32 (wall and CPU seconds,
-1 and 2 processes, with the machine's load average), cold (from a fresh state, Megatron's static placement) and warm
+1 and 2 processes by default (`--timing-processes`), with the machine's load average), cold (from a fresh state, Megatron's static placement) and warm
 (from the previous step's state, as in training). Prints tables; writes everything to --json.
 `--nic-routing pxn` simulates NCCL's default routing on rail-optimised nodes instead of the planners' direct one
 (relibra.cost_model; default JSON bench/out/relibra_sim_pxn.json).
@@ -114,19 +114,19 @@ def _run(label: str, trace: LoadTrace, ep: int, cfg: RelibraConfig, cost: CostMo
     }
 
 
-def _planning_time(trace: LoadTrace, cost: CostModel, repeats: int) -> list[dict]:
+def _planning_time(trace: LoadTrace, cost: CostModel, repeats: int, processes=(1, 2)) -> list[dict]:
     """Wall and CPU seconds of planning one step, cold (from Megatron's static placement, a fresh state) and warm
-    (from the state the previous step of the trace left: a training run's usual case), in 1 and 2 processes (this
+    (from the state the previous step of the trace left: a training run's usual case), in each count of processes (this
     one and a worker; the CPU seconds are this process's). The workers start before the timing, as a run starts
     them when it builds its planner; their start is timed apart."""
     topo = Topology(32, 8, trace.num_experts, 2)
     out = []
-    for processes in (1, 2):
-        ctx = PlanContext(topo, RelibraConfig(planner_processes=processes), cost, trace.topk)
+    for count in processes:
+        ctx = PlanContext(topo, RelibraConfig(planner_processes=count), cost, trace.topk)
         shutdown_workers()  # the simulations above started them: time a fresh start
         start = time.perf_counter()
-        start_workers(processes)
-        row: dict = {"processes": processes, "worker_start_s": time.perf_counter() - start}
+        start_workers(count)
+        row: dict = {"processes": count, "worker_start_s": time.perf_counter() - start}
         states = [PlannerState()]
         for n in range(trace.num_steps - 1):
             states.append(run_planner("relibra", trace.loads_NMLSE[n], ctx, states[-1])[1])
@@ -157,6 +157,11 @@ def main() -> None:
     p.add_argument("--tokens-per-rank", type=int, default=4096)
     p.add_argument("--timing-repeats", type=int, default=6)
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic loads")
+    p.add_argument(
+        "--timing-processes",
+        default="1,2",
+        help="planner process counts to time (comma-separated; default 1,2)",
+    )
     p.add_argument(
         "--nic-routing", choices=NIC_ROUTINGS, help="override the cost model's nic_routing (default: direct)"
     )
@@ -191,7 +196,8 @@ def main() -> None:
         run["generator"] = dataclasses.asdict(params)
         results["runs"].append(run)
         gen32 = trace if ep == 32 else gen32
-    timing = _planning_time(gen32, cost, args.timing_repeats)
+    counts = tuple(int(x) for x in args.timing_processes.split(","))
+    timing = _planning_time(gen32, cost, args.timing_repeats, counts)
     results["planning_time_ep32_M32_L48_E128"] = timing
     print(
         "\n== relibra planning time, one step: 32 micro-batches x 48 layers x 128 experts, EP 32 (target < 1 s)"
