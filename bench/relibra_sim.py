@@ -13,8 +13,8 @@ hierarchical and global policies) and >= 1.3x faster than static on the MoE part
 over every step and, as `warm`, over the steps after the first (which starts from Megatron's static placement and
 pays a one-time migration out of it); and it times
 the relibra planner on one step of 32 micro-batches x 48 layers x 128 experts at EP 32 (wall and CPU seconds,
-1 and 2 processes by default (`--timing-processes`), with the machine's load average), cold (from a fresh state, Megatron's static placement) and warm
-(from the previous step's state, as in training). Prints tables; writes everything to --json.
+in 1 and 2 processes unless `--timing-processes` says otherwise, with the machine's load average), cold (from a
+fresh state, Megatron's static placement) and warm (from the previous step's state, as in training). Prints tables; writes everything to --json.
 `--nic-routing pxn` simulates NCCL's default routing on rail-optimised nodes instead of the planners' direct one
 (relibra.cost_model; default JSON bench/out/relibra_sim_pxn.json).
 """
@@ -116,9 +116,9 @@ def _run(label: str, trace: LoadTrace, ep: int, cfg: RelibraConfig, cost: CostMo
 
 def _planning_time(trace: LoadTrace, cost: CostModel, repeats: int, processes=(1, 2)) -> list[dict]:
     """Wall and CPU seconds of planning one step, cold (from Megatron's static placement, a fresh state) and warm
-    (from the state the previous step of the trace left: a training run's usual case), in each count of processes (this
-    one and a worker; the CPU seconds are this process's). The workers start before the timing, as a run starts
-    them when it builds its planner; their start is timed apart."""
+    (from the state the previous step of the trace left: a training run's usual case), for each count of processes
+    (this one and workers; the CPU seconds are this process's). The workers start before the timing, as a run
+    starts them when it builds its planner; their start is timed apart."""
     topo = Topology(32, 8, trace.num_experts, 2)
     out = []
     for count in processes:
