@@ -14,7 +14,8 @@ over every step and, as `warm`, over the steps after the first (which starts fro
 pays a one-time migration out of it); and it times
 the relibra planner on one step of 32 micro-batches x 48 layers x 128 experts at EP 32 (wall and CPU seconds,
 in 1 and 2 processes unless `--timing-processes` says otherwise, with the machine's load average), cold (from a
-fresh state, Megatron's static placement) and warm (from the previous step's state, as in training). Prints tables; writes everything to --json.
+fresh state, Megatron's static placement) and warm (from the previous step's state, as in training). Prints
+tables; writes everything to --json.
 `--nic-routing pxn` simulates NCCL's default routing on rail-optimised nodes instead of the planners' direct one
 (relibra.cost_model; default JSON bench/out/relibra_sim_pxn.json).
 """

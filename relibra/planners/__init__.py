@@ -116,17 +116,6 @@ def annealed_home(loads_MLSE: np.ndarray, prev_LE: np.ndarray, ctx: PlanContext,
     return refine_home(prob, home, cfg.refine_rounds, cfg.refine_candidates)
 
 
-# The planners that plan by chunks of layers on `planner_processes` processes.
-PARALLEL_PLANNERS = frozenset({"relibra", "reorder_only", "replicate_only", "greedy_lpt"})
-
-
-def _by_layer_chunks(chunk_fn: ChunkFn, loads_MLSE, ctx: PlanContext, state: PlannerState):
-    """Plan the step by chunks of layers in parallel (`relibra.planners.parallel`); returns (plan, next_state)."""
-    prev = previous_home(state, loads_MLSE.shape[1], ctx.topo)
-    plan = plan_by_layer_chunks(chunk_fn, loads_MLSE, prev, ctx, state.num_steps)
-    return plan, next_state(state, plan.home_LE)
-
-
 # Chunk planners: module-level, so that worker processes import them by name.
 def _relibra_chunk(loads, prev, rng, ctx: PlanContext) -> Plan:
     return replicated_plan(loads, annealed_home(loads, prev, ctx, rng), ctx.topo, ctx.config, ctx.cost)
@@ -145,21 +134,26 @@ def _greedy_lpt_chunk(loads, prev, rng, ctx: PlanContext) -> Plan:
     return replicated_plan(loads, greedy_lpt_home(loads, ctx.topo), ctx.topo, ctx.config, ctx.cost)
 
 
-@PLANNERS.register("relibra")
-def plan_relibra(loads_MLSE, ctx, state):
-    return _by_layer_chunks(_relibra_chunk, loads_MLSE, ctx, state)
+_CHUNK_PLANNERS: dict[str, ChunkFn] = {
+    "relibra": _relibra_chunk,
+    "reorder_only": _reorder_only_chunk,
+    "replicate_only": _replicate_only_chunk,
+    "greedy_lpt": _greedy_lpt_chunk,
+}
+# The planners that plan by chunks of layers on `planner_processes` processes.
+PARALLEL_PLANNERS = frozenset(_CHUNK_PLANNERS)
 
 
-@PLANNERS.register("reorder_only")
-def plan_reorder_only(loads_MLSE, ctx, state):
-    return _by_layer_chunks(_reorder_only_chunk, loads_MLSE, ctx, state)
+def _by_layer_chunks(chunk_fn: ChunkFn) -> PlannerFn:
+    """The planner that plans a step by chunks of layers in parallel (`relibra.planners.parallel`)."""
+
+    def planner(loads_MLSE: np.ndarray, ctx: PlanContext, state: PlannerState):
+        prev = previous_home(state, loads_MLSE.shape[1], ctx.topo)
+        plan = plan_by_layer_chunks(chunk_fn, loads_MLSE, prev, ctx, state.num_steps)
+        return plan, next_state(state, plan.home_LE)
+
+    return planner
 
 
-@PLANNERS.register("replicate_only")
-def plan_replicate_only(loads_MLSE, ctx, state):
-    return _by_layer_chunks(_replicate_only_chunk, loads_MLSE, ctx, state)
-
-
-@PLANNERS.register("greedy_lpt")
-def plan_greedy_lpt(loads_MLSE, ctx, state):
-    return _by_layer_chunks(_greedy_lpt_chunk, loads_MLSE, ctx, state)
+for _name, _chunk_fn in _CHUNK_PLANNERS.items():
+    PLANNERS.register(_name)(_by_layer_chunks(_chunk_fn))

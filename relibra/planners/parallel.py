@@ -157,9 +157,8 @@ def _plan_in_worker(
     quota: _SharedArray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Plan one chunk from shared loads, write its quotas into the shared block; return (home_LE, slots_MLGJ)."""
-    loads_MLSE = loads.read().astype(
-        np.int64, copy=False
-    )  # what this process's chunk gets (int32 in transit)
+    # int32 in transit; the chunk gets int64, as this process's does.
+    loads_MLSE = loads.read().astype(np.int64, copy=False)
     plan = chunk_fn(loads_MLSE, prev_LE, np.random.default_rng(seed), ctx)
     if plan.quota_MLGJS.shape != quota.shape:
         raise ValueError(

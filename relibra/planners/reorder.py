@@ -62,9 +62,8 @@ class ReorderWeights:
     migrate_nic: float
     migrate_nvlink: float
     beta: float
-    pxn: bool = (
-        False  # the cost model routes pxn (relibra.cost_model); the descent prices that routing's floor
-    )
+    # The cost model routes pxn (relibra.cost_model): the descent prices that routing's floor.
+    pxn: bool = False
 
     @classmethod
     def from_config(cls, cfg, cost: CostModel, topo: Topology, alltoall_share: float = 1.0) -> ReorderWeights:
