@@ -1,7 +1,7 @@
 """ReLibra simulator benchmark: the issue's Targets table on the real Qwen3-30B-A3B routing and on the generator.
 
     python bench/relibra_sim.py [--json bench/out/relibra_sim.json] [--gen-steps 3] [--tokens-per-rank 4096]
-        [--seed 0] [--nic-routing direct|pxn]
+        [--seed 0] [--nic-routing direct|pxn] [--ep 16,32] [--generator FIELD=VALUE ...]
 
 For each dataset (real routing logs cut into 256-token micro-batches; synthetic RL-like loads with 32 micro-batches
 of `--tokens-per-rank` tokens per source rank, 48 layers, 128 experts) at EP 16 and 32, 8 GPUs per node and 2
@@ -18,6 +18,10 @@ fresh state, Megatron's static placement) and warm (from the previous step's sta
 tables; writes everything to --json.
 `--nic-routing pxn` simulates NCCL's default routing on rail-optimised nodes instead of the planners' direct one
 (relibra.cost_model; default JSON bench/out/relibra_sim_pxn.json).
+`--generator FIELD=VALUE` (repeatable) sets any other field of `relibra.synthetic.SyntheticLoads`, e.g.
+`--generator response_scale=0` for responses without quirks of their own; `--ep 32` runs one EP size (the planning
+time needs EP 32 in the list). The generator's draw depends on NumPy's random streams, which NumPy keeps only within
+one version (its multinomial changed in 2.5): the JSON records the NumPy that made it.
 """
 
 from __future__ import annotations
@@ -151,6 +155,35 @@ def _planning_time(trace: LoadTrace, cost: CostModel, repeats: int, processes=(1
     return out
 
 
+def _generator_overrides(items: list[str]) -> dict:
+    """`FIELD=VALUE` strings -> SyntheticLoads fields, each VALUE parsed as its field's type; ValueError naming
+    the problem otherwise."""
+    fields = {f.name: type(f.default) for f in dataclasses.fields(SyntheticLoads)}
+    fixed = {
+        "num_source_ranks": "--ep",
+        "seed": "--seed",
+        "num_steps": "--gen-steps",
+        "tokens_per_rank": "--tokens-per-rank",
+    }
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--generator takes FIELD=VALUE, got {item!r}")
+        if name in fixed:
+            raise ValueError(f"--generator {name}: set it with {fixed[name]}")
+        if name not in fields:
+            raise ValueError(
+                f"--generator {name}: not a field of SyntheticLoads ({', '.join(sorted(set(fields) - set(fixed)))})"
+            )
+        try:
+            out[name] = fields[name](value)
+        except ValueError:
+            kind = "an integer" if fields[name] is int else "a number"
+            raise ValueError(f"--generator {name}={value!r}: expected {kind}") from None
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="default: bench/out/relibra_sim[_pxn].json")
@@ -166,14 +199,32 @@ def main() -> None:
     p.add_argument(
         "--nic-routing", choices=NIC_ROUTINGS, help="override the cost model's nic_routing (default: direct)"
     )
+    p.add_argument("--ep", default="16,32", help="EP sizes to run (comma-separated; default 16,32)")
+    p.add_argument(
+        "--generator",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="set a field of relibra.synthetic.SyntheticLoads (repeatable), e.g. response_scale=0",
+    )
     args = p.parse_args()
+    try:
+        overrides = _generator_overrides(args.generator)
+        eps = tuple(int(x) for x in args.ep.split(","))
+    except ValueError as err:
+        p.error(str(err))
     cost = CostModel.from_yaml(nic_routing=args.nic_routing)
     suffix = "" if cost.nic_routing == "direct" else f"_{cost.nic_routing}"
     args.json = args.json or str(ROOT / "bench" / "out" / f"relibra_sim{suffix}.json")
     cfg = RelibraConfig()
-    results: dict = {"cost_model": dataclasses.asdict(cost), "config": dataclasses.asdict(cfg), "runs": []}
+    results: dict = {
+        "numpy": np.__version__,
+        "cost_model": dataclasses.asdict(cost),
+        "config": dataclasses.asdict(cfg),
+        "runs": [],
+    }
     if ROUTING.is_dir():
-        for ep in (16, 32):
+        for ep in eps:
             trace = loads_from_vllm_logs(
                 [ROUTING / f for f in LOGS], microbatch_tokens=256, num_source_ranks=ep
             )
@@ -183,12 +234,13 @@ def main() -> None:
     else:
         print(f"real routing logs not found at {ROUTING}: skipping the real-data rows")
     gen32 = None
-    for ep in (16, 32):
+    for ep in eps:
         params = SyntheticLoads(
             num_steps=args.gen_steps,
             num_source_ranks=ep,
             tokens_per_rank=args.tokens_per_rank,
             seed=args.seed,
+            **overrides,
         )
         start = time.perf_counter()
         trace = generate_loads(params)
@@ -197,6 +249,16 @@ def main() -> None:
         run["generator"] = dataclasses.asdict(params)
         results["runs"].append(run)
         gen32 = trace if ep == 32 else gen32
+    if gen32 is None:
+        print("\nno EP 32 in --ep: planning time not measured")
+    else:
+        _report_planning_time(results, gen32, cost, args)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {args.json}")
+
+
+def _report_planning_time(results: dict, gen32: LoadTrace, cost: CostModel, args) -> None:
     counts = tuple(int(x) for x in args.timing_processes.split(","))
     timing = _planning_time(gen32, cost, args.timing_repeats, counts)
     results["planning_time_ep32_M32_L48_E128"] = timing
@@ -213,9 +275,6 @@ def main() -> None:
             )
             + f", load average {t['load_average_1min']:.2f}"
         )
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ The model of an RL training batch (parameters in `SyntheticLoads`):
 Departure from real routers: tokens of a response are drawn independently given its preference (no
 token-to-token correlation beyond the response's); the real Qwen3-30B-A3B logs in ../shared/data calibrate the
 scales (see the test that compares the statistics).
+Reproducibility: one seed gives the same loads with the same NumPy only. NumPy keeps its random streams within a
+version (Generator.multinomial draws differently from 2.5 on), so results made from these loads say which NumPy
+made them.
 
 Legend: N steps, M micro-batches, L layers, S source ranks, E experts, K top-k, U responses, T tokens.
 """
