@@ -43,6 +43,7 @@ from relibra.planners import PlanContext, run_planner
 from relibra.planners.parallel import shutdown_workers, start_workers
 from relibra.simulate import DEFAULT_PLANS, format_table, simulate_trace
 from relibra.synthetic import SyntheticLoads, generate_loads
+from tppo.fields import with_assignments
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUTING = ROOT / ".." / "shared" / "data" / "routing" / "qwen3-30b-a3b-vllm"
@@ -155,35 +156,6 @@ def _planning_time(trace: LoadTrace, cost: CostModel, repeats: int, processes=(1
     return out
 
 
-def _generator_overrides(items: list[str]) -> dict:
-    """`FIELD=VALUE` strings -> SyntheticLoads fields, each VALUE parsed as its field's type; ValueError naming
-    the problem otherwise."""
-    fields = {f.name: type(f.default) for f in dataclasses.fields(SyntheticLoads)}
-    fixed = {
-        "num_source_ranks": "--ep",
-        "seed": "--seed",
-        "num_steps": "--gen-steps",
-        "tokens_per_rank": "--tokens-per-rank",
-    }
-    out = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--generator takes FIELD=VALUE, got {item!r}")
-        if name in fixed:
-            raise ValueError(f"--generator {name}: set it with {fixed[name]}")
-        if name not in fields:
-            raise ValueError(
-                f"--generator {name}: not a field of SyntheticLoads ({', '.join(sorted(set(fields) - set(fixed)))})"
-            )
-        try:
-            out[name] = fields[name](value)
-        except ValueError:
-            kind = "an integer" if fields[name] is int else "a number"
-            raise ValueError(f"--generator {name}={value!r}: expected {kind}") from None
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="default: bench/out/relibra_sim[_pxn].json")
@@ -208,8 +180,14 @@ def main() -> None:
         help="set a field of relibra.synthetic.SyntheticLoads (repeatable), e.g. response_scale=0",
     )
     args = p.parse_args()
+    reserved = {
+        "num_source_ranks": "--ep",
+        "seed": "--seed",
+        "num_steps": "--gen-steps",
+        "tokens_per_rank": "--tokens-per-rank",
+    }
     try:
-        overrides = _generator_overrides(args.generator)
+        generator = with_assignments(SyntheticLoads(), args.generator, "--generator", reserved)
         eps = tuple(int(x) for x in args.ep.split(","))
     except ValueError as err:
         p.error(str(err))
@@ -235,12 +213,12 @@ def main() -> None:
         print(f"real routing logs not found at {ROUTING}: skipping the real-data rows")
     gen32 = None
     for ep in eps:
-        params = SyntheticLoads(
+        params = dataclasses.replace(
+            generator,
             num_steps=args.gen_steps,
             num_source_ranks=ep,
             tokens_per_rank=args.tokens_per_rank,
             seed=args.seed,
-            **overrides,
         )
         start = time.perf_counter()
         trace = generate_loads(params)

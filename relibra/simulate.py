@@ -50,7 +50,7 @@ from relibra.loads import LoadTrace, load_loads
 from relibra.plan import IdealPlan, PlannerState, Topology, static_home_LE
 from relibra.planners import PLANNERS, PlanContext, run_planner
 from relibra.validate import validate_plan
-from tppo.fields import check_fields
+from tppo.fields import check_fields, with_assignments
 
 __all__ = ["DEFAULT_PLANS", "PlanSummary", "fold_sources", "format_table", "main", "simulate_trace"]
 
@@ -204,27 +204,6 @@ def _blank_nan(x: float) -> str:
     return "" if np.isnan(x) else f"{x:.3f}"
 
 
-def _override(config: RelibraConfig, assignments: Sequence[str]) -> RelibraConfig:
-    fields = {f.name: f for f in dataclasses.fields(config)}
-    changes = {}
-    for item in assignments:
-        key, sep, raw = item.partition("=")
-        if not sep or key not in fields:
-            raise ValueError(f"--set {item!r}: expected key=value with key one of {sorted(fields)}")
-        current = getattr(config, key)
-        if isinstance(current, bool):
-            changes[key] = raw.lower() in ("1", "true", "yes")
-        elif isinstance(current, int):
-            changes[key] = int(raw)
-        elif isinstance(current, float):
-            changes[key] = float(raw)
-        else:
-            changes[key] = raw
-    new = dataclasses.replace(config, **changes)
-    check_fields(new)
-    return new
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m relibra.simulate", description=__doc__.split("\n\n")[0])
     p.add_argument("--loads", required=True, help=".npz with loads [N, M, L, S, E] and topk")
@@ -255,9 +234,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         trace = load_loads(args.loads)
         loads = fold_sources(trace.loads_NMLSE, args.ep)
         trace = LoadTrace(loads, trace.topk)
-        config = _override(
-            RelibraConfig(gpus_per_node=args.gpus_per_node, replica_slots=args.replica_slots), args.set
+        config = with_assignments(
+            RelibraConfig(gpus_per_node=args.gpus_per_node, replica_slots=args.replica_slots),
+            args.set,
+            "--set",
         )
+        check_fields(config)
         topo = Topology(args.ep, args.gpus_per_node, trace.num_experts, args.replica_slots)
         cost = CostModel.from_yaml(
             args.cost_model or config.cost_model, args.nic_routing or config.nic_routing

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import field
 from typing import Any
 
@@ -69,3 +70,47 @@ def check_fields(obj: Any, prefix: str = "") -> None:
             check_fields(value, key + ".")
         elif f.metadata and _violates(value, f.metadata):
             raise ConfigError(f"{key}={value!r} is not allowed: expected {_allowed(f)}")
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _parse_as(current: Any, raw: str) -> Any:
+    """`raw` read as the type of the field's current value (bool, int, float; str otherwise)."""
+    if isinstance(current, bool):
+        if raw.lower() not in _TRUE + _FALSE:
+            raise ValueError(f"expected true or false, got {raw!r}")
+        return raw.lower() in _TRUE
+    for kind, name in ((int, "an integer"), (float, "a number")):
+        if isinstance(current, kind):
+            try:
+                return kind(raw)
+            except ValueError:
+                raise ValueError(f"expected {name}, got {raw!r}") from None
+    return raw
+
+
+def with_assignments(
+    obj: Any, assignments: Sequence[str], flag: str, reserved: Mapping[str, str] = {}
+) -> Any:
+    """A copy of dataclass `obj` with command-line `KEY=VALUE` assignments applied, each VALUE read as its field's
+    type; ValueError naming `flag`, the item and the problem otherwise. `reserved` maps a field to the option that
+    sets it instead (the item is refused with that hint). The copy runs the class's own checks (`__post_init__`);
+    `check_fields` is the caller's, where the class declares `spec` rules."""
+    names = {f.name for f in dataclasses.fields(obj)}
+    changes = {}
+    for item in assignments:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE")
+        if key in reserved:
+            raise ValueError(f"{flag} {key}: set it with {reserved[key]}")
+        if key not in names:
+            raise ValueError(
+                f"{flag} {key}: not a field, expected one of {', '.join(sorted(names - set(reserved)))}"
+            )
+        try:
+            changes[key] = _parse_as(getattr(obj, key), raw)
+        except ValueError as err:
+            raise ValueError(f"{flag} {key}: {err}") from None
+    return dataclasses.replace(obj, **changes)
