@@ -1,11 +1,12 @@
 """ReLibra simulator benchmark: the issue's Targets table on the real Qwen3-30B-A3B routing and on the generator.
 
     python bench/relibra_sim.py [--json bench/out/relibra_sim.json] [--gen-steps 3] [--tokens-per-rank 4096]
-        [--seed 0] [--nic-routing direct|pxn] [--ep 16,32] [--generator FIELD=VALUE ...]
+        [--seed 0] [--nic-routing direct|pxn] [--ep 16,32] [--replica-slots 2] [--generator FIELD=VALUE ...]
 
 For each dataset (real routing logs cut into 256-token micro-batches; synthetic RL-like loads with 32 micro-batches
 of `--tokens-per-rank` tokens per source rank, 48 layers, 128 experts) at EP 16 and 32, 8 GPUs per node and 2
-replica slots, every planner is run step by step (validated) and simulated with the packaged Hopper cost model.
+replica slots (`--replica-slots`), every planner is run step by step (validated) and simulated with the packaged
+Hopper cost model.
 Then it checks the targets: relibra within 5% of ideal (next to the lower bound that no plan with in-node copies
 can beat, `relibra.cost_model.moe_lower_bound_us`), >= 1.1x faster than eplb_oracle (the better of its
 hierarchical and global policies) and >= 1.3x faster than static on the MoE part, mean skew <= 1.08 (also for
@@ -43,7 +44,7 @@ from relibra.planners import PlanContext, run_planner
 from relibra.planners.parallel import shutdown_workers, start_workers
 from relibra.simulate import DEFAULT_PLANS, format_table, simulate_trace
 from relibra.synthetic import SyntheticLoads, generate_loads
-from tppo.fields import with_assignments
+from tppo.fields import check_fields, with_assignments
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUTING = ROOT / ".." / "shared" / "data" / "routing" / "qwen3-30b-a3b-vllm"
@@ -79,7 +80,7 @@ def _targets(rows: dict, name: str = "relibra") -> dict:
 
 
 def _run(label: str, trace: LoadTrace, ep: int, cfg: RelibraConfig, cost: CostModel) -> dict:
-    topo = Topology(ep, 8, trace.num_experts, 2)
+    topo = Topology(ep, 8, trace.num_experts, cfg.replica_slots)
     start = time.perf_counter()
     rows = simulate_trace(trace, topo, cfg, cost, PLANS, validate=True)
     (thorough,) = simulate_trace(trace, topo, _thorough(cfg), cost, ["relibra"], validate=True)
@@ -120,15 +121,17 @@ def _run(label: str, trace: LoadTrace, ep: int, cfg: RelibraConfig, cost: CostMo
     }
 
 
-def _planning_time(trace: LoadTrace, cost: CostModel, repeats: int, processes=(1, 2)) -> list[dict]:
+def _planning_time(
+    trace: LoadTrace, cost: CostModel, cfg: RelibraConfig, repeats: int, processes=(1, 2)
+) -> list[dict]:
     """Wall and CPU seconds of planning one step, cold (from Megatron's static placement, a fresh state) and warm
     (from the state the previous step of the trace left: a training run's usual case), for each count of processes
     (this one and workers; the CPU seconds are this process's). The workers start before the timing, as a run
     starts them when it builds its planner; their start is timed apart."""
-    topo = Topology(32, 8, trace.num_experts, 2)
+    topo = Topology(32, 8, trace.num_experts, cfg.replica_slots)
     out = []
     for count in processes:
-        ctx = PlanContext(topo, RelibraConfig(planner_processes=count), cost, trace.topk)
+        ctx = PlanContext(topo, dataclasses.replace(cfg, planner_processes=count), cost, trace.topk)
         shutdown_workers()  # the simulations above started them: time a fresh start
         start = time.perf_counter()
         start_workers(count)
@@ -172,6 +175,7 @@ def main() -> None:
         "--nic-routing", choices=NIC_ROUTINGS, help="override the cost model's nic_routing (default: direct)"
     )
     p.add_argument("--ep", default="16,32", help="EP sizes to run (comma-separated; default 16,32)")
+    p.add_argument("--replica-slots", type=int, default=2, help="R: spare expert slots per GPU (default 2)")
     p.add_argument(
         "--generator",
         action="append",
@@ -189,12 +193,13 @@ def main() -> None:
     try:
         generator = with_assignments(SyntheticLoads(), args.generator, "--generator", reserved)
         eps = tuple(int(x) for x in args.ep.split(","))
+        cfg = RelibraConfig(replica_slots=args.replica_slots)
+        check_fields(cfg)
     except ValueError as err:
         p.error(str(err))
     cost = CostModel.from_yaml(nic_routing=args.nic_routing)
     suffix = "" if cost.nic_routing == "direct" else f"_{cost.nic_routing}"
     args.json = args.json or str(ROOT / "bench" / "out" / f"relibra_sim{suffix}.json")
-    cfg = RelibraConfig()
     results: dict = {
         "numpy": np.__version__,
         "cost_model": dataclasses.asdict(cost),
@@ -230,15 +235,15 @@ def main() -> None:
     if gen32 is None:
         print("\nno EP 32 in --ep: planning time not measured")
     else:
-        _report_planning_time(results, gen32, cost, args)
+        _report_planning_time(results, gen32, cost, cfg, args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2))
     print(f"\nwrote {args.json}")
 
 
-def _report_planning_time(results: dict, gen32: LoadTrace, cost: CostModel, args) -> None:
+def _report_planning_time(results: dict, gen32: LoadTrace, cost: CostModel, cfg: RelibraConfig, args) -> None:
     counts = tuple(int(x) for x in args.timing_processes.split(","))
-    timing = _planning_time(gen32, cost, args.timing_repeats, counts)
+    timing = _planning_time(gen32, cost, cfg, args.timing_repeats, counts)
     results["planning_time_ep32_M32_L48_E128"] = timing
     print(
         "\n== relibra planning time, one step: 32 micro-batches x 48 layers x 128 experts, EP 32 (target < 1 s)"
