@@ -238,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             RelibraConfig(gpus_per_node=args.gpus_per_node, replica_slots=args.replica_slots),
             args.set,
             "--set",
+            reserved={"gpus_per_node": "--gpus-per-node", "replica_slots": "--replica-slots"},
         )
         check_fields(config)
         topo = Topology(args.ep, args.gpus_per_node, trace.num_experts, args.replica_slots)

@@ -84,6 +84,9 @@ def test_cli_errors(load_file, capsys):
     assert main([*args, "--plans", "nope"]) == 2
     assert "unknown relibra planner" in capsys.readouterr().err
     assert main([*args, "--set", "anneal_t0=-1"]) == 2
+    # The topology's knobs have their own options: a --set of them would reach the JSON but not the planners.
+    assert main([*args, "--set", "replica_slots=4"]) == 2
+    assert "--set replica_slots: set it with --replica-slots" in capsys.readouterr().err
 
 
 def test_fold_sources():
