@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 train: $(STAMP)

@@ -84,7 +84,7 @@ def param_counts(s: Shape) -> tuple[float, float]:
 
 
 def model_config(s: Shape, dtype: str):
-    from tppo.config import ModelConfig
+    from tppo.engine.config import ModelConfig
 
     return ModelConfig(
         arch="qwen3_moe",
@@ -139,8 +139,8 @@ def run_variant(variant: str, s: Shape, args) -> dict:
     """One variant in this process: build, warm up, time `args.steps` optimizer steps."""
     import torch
 
-    from tppo.config import OptimConfig, ParallelConfig
     from tppo.engine.batch import TrainBatch
+    from tppo.engine.config import OptimConfig, ParallelConfig
     from tppo.engine.engine import MegatronEngine
 
     cuda = torch.cuda.is_available()
@@ -225,8 +225,8 @@ def run_checks(args) -> dict:
     """GPU paths the CPU tests cannot reach, on a small bf16 model: each check reports ok or its error."""
     import torch
 
-    from tppo.config import OptimConfig, ParallelConfig
     from tppo.engine.batch import TrainBatch
+    from tppo.engine.config import OptimConfig, ParallelConfig
     from tppo.engine.engine import MegatronEngine
 
     s = Shape(
@@ -417,8 +417,8 @@ def run_profile(s: Shape, args) -> dict:
     """Build the grouped-GEMM engine and profile it (`profile_engine`)."""
     import torch
 
-    from tppo.config import OptimConfig, ParallelConfig
     from tppo.engine.batch import TrainBatch
+    from tppo.engine.config import OptimConfig, ParallelConfig
     from tppo.engine.engine import MegatronEngine
 
     cuda = torch.cuda.is_available()

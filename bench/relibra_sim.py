@@ -44,7 +44,7 @@ from relibra.planners import PlanContext, run_planner
 from relibra.planners.parallel import shutdown_workers, start_workers
 from relibra.simulate import DEFAULT_PLANS, format_table, simulate_trace
 from relibra.synthetic import SyntheticLoads, generate_loads
-from tppo.fields import check_fields, with_assignments
+from tppo.base.fields import check_fields, with_assignments
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUTING = ROOT / ".." / "shared" / "data" / "routing" / "qwen3-30b-a3b-vllm"

@@ -14,7 +14,7 @@ generation.
 from __future__ import annotations
 
 from recipes._hydra import Schema, fail, recipe
-from tppo.evaluation import EvalConfig
+from tppo.eval.evaluation import EvalConfig
 
 SCHEMA = Schema("eval_schema", EvalConfig)
 
@@ -22,8 +22,8 @@ SCHEMA = Schema("eval_schema", EvalConfig)
 @recipe("eval", schema=SCHEMA)
 def main(cfg: EvalConfig) -> None:
     from rollout.data import DataError
-    from tppo.evaluation import EvalInputError, run_eval
-    from tppo.fields import ConfigError
+    from tppo.base.fields import ConfigError
+    from tppo.eval.evaluation import EvalInputError, run_eval
 
     try:
         run_eval(cfg)

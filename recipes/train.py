@@ -16,8 +16,8 @@ from tppo.config import ExperimentConfig
 
 @recipe("train")
 def main(cfg: ExperimentConfig) -> None:
-    from tppo.roles import RoleError
-    from tppo.run import run_dir, train
+    from tppo.cluster.roles import RoleError
+    from tppo.loop.run import run_dir, train
 
     try:
         summary = train(cfg)

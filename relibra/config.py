@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from relibra.cost_model import NIC_ROUTINGS
-from tppo.fields import spec
+from tppo.base.fields import spec
 
 
 @dataclass

@@ -50,7 +50,7 @@ from relibra.loads import LoadTrace, load_loads
 from relibra.plan import IdealPlan, PlannerState, Topology, static_home_LE
 from relibra.planners import PLANNERS, PlanContext, run_planner
 from relibra.validate import validate_plan
-from tppo.fields import check_fields, with_assignments
+from tppo.base.fields import check_fields, with_assignments
 
 __all__ = ["DEFAULT_PLANS", "PlanSummary", "fold_sources", "format_table", "main", "simulate_trace"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tppo.fields import spec
+from tppo.base.fields import spec
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any
 
 from rollout.config import DataConfig
 from rollout.tokenizer import Message, Tokenizer
-from tppo.registry import Registry
+from tppo.base.registry import Registry
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 FILE_TYPES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}

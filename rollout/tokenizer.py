@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from tppo.registry import Registry
+from tppo.base.registry import Registry
 
 Message = dict[str, str]
 

@@ -85,7 +85,7 @@ class RolloutWorker:
         """Give the device memory to colocated trainers between generate calls: the KV cache is released
         without a copy (it never outlives a generate call), decode CUDA graphs are dropped (they hold the old
         storages' addresses; the next generate captures again), the weights are copied to host memory."""
-        from tppo.engine.offload import StorageOffloader
+        from tppo.base.offload import StorageOffloader
 
         if self._asleep is not None:
             return

@@ -1,5 +1,7 @@
-"""ReLibra's executor: applies a `relibra.plan.Plan` to Megatron-Core MoE layers of a `MegatronEngine`.
+"""ReLibra's executor: applies a `relibra.plan.Plan` to the Megatron-Core MoE layers of an engine.
 
+- `relibra.executor.engine_api`: the `ExpertEngine` Protocol, what the executor needs from the engine (relibra
+  never imports the trainer);
 - `relibra.executor.tables`: pure NumPy tables derived from a plan (reroute tables, replica exchanges,
   migration moves) and the executor-side plan check;
 - `relibra.executor.reroute`: logical -> physical routing (gate probabilities keep their gradient);

@@ -1,4 +1,5 @@
-"""`ExpertExecutor`: applies ReLibra plans to the MoE layers of a `tppo.engine.engine.MegatronEngine`.
+"""`ExpertExecutor`: applies ReLibra plans to the MoE layers of an engine (`engine_api.ExpertEngine`, which
+`tppo.engine.engine.MegatronEngine` is).
 
 Slot layout. Every EP rank g holds H = E / EP home slots (the stacked `GroupedExperts.weight1/weight2`
 parameters with their optimizer state; `logical_expert_ids` says which logical expert each holds, ascending)
@@ -31,7 +32,7 @@ into this rank and bytes it sent, the chunks of optimizer state moved during the
 optimizer step still had to wait for, replica pushes, replicas per (micro-batch, layer), the measured skew (max/mean
 over the EP group of the pairs each rank's experts computed, averaged over (micro-batch, layer); padding tokens
 included) and the measured expert forward time (this rank, max and mean over the EP group; CUDA events on GPU).
-Planner time, planned skew and simulated MoE time come from tppo.balance.LoadPlanner.
+Planner time, planned skew and simulated MoE time come from tppo.loop.balance.LoadPlanner.
 
 Activation recompute: a checkpointed layer's recompute (in the backward) routes and re-pushes replicas for the
 micro-batch of its first forward (a FIFO per layer, as the routing replay's queue), so plans stay indexed by
@@ -64,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from relibra.executor.comm import land_slot_moves, move_slots, push_replicas
+from relibra.executor.engine_api import ExpertEngine
 from relibra.executor.migration import StateJob, StateMigration
 from relibra.executor.reroute import permute_routing, reroute_routing
 from relibra.executor.tables import (
@@ -110,7 +112,12 @@ class ExpertExecutor:
     """Applies plans to `engine`'s MoE layers; process groups come from `engine.groups` (EP and expert-DP)."""
 
     def __init__(
-        self, engine, *, num_replica_slots: int = 0, gpus_per_node: int = 8, state_buffer_mb: float = 1024
+        self,
+        engine: ExpertEngine,
+        *,
+        num_replica_slots: int = 0,
+        gpus_per_node: int = 8,
+        state_buffer_mb: float = 1024,
     ) -> None:
         groups = engine.groups
         self.engine = engine

@@ -34,7 +34,7 @@ from relibra.planners.reorder import (
     reorder_problem,
 )
 from relibra.planners.replicate import replicated_plan
-from tppo.registry import Registry
+from tppo.base.registry import Registry
 
 __all__ = ["PARALLEL_PLANNERS", "PLANNERS", "PlanContext", "PlannerFn", "run_planner"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from rollout.rewards import math as math_reward
-from tppo.registry import Registry
+from tppo.base.registry import Registry
 
 RewardFn = Callable[[Sequence[str], Sequence[str]], list[float]]
 REWARDS: Registry[RewardFn] = Registry("reward function")

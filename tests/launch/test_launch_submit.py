@@ -26,7 +26,8 @@ from recipes.submit import (
     plan_job,
     sweep_points,
 )
-from tppo.config import ClusterConfig, ExperimentConfig
+from tppo.cluster.config import ClusterConfig
+from tppo.config import ExperimentConfig
 
 REPO = Path(__file__).resolve().parents[2]
 RAY_CLUSTER_SH = REPO / "launch" / "ray_cluster.sh"

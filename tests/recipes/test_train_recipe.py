@@ -131,7 +131,7 @@ def test_kl_penalty_runs_a_frozen_reference_policy(tmp_path):
     assert rows[0]["tppo/kl"] == pytest.approx(0.0, abs=1e-6)
     assert rows[1]["tppo/kl"] > 1e-6 and rows[2]["tppo/kl"] > 1e-6
     assert sorted(p.name for p in (tmp_path / "kl" / "reference").iterdir()) == ["rank0.pt", "rank1.pt"]
-    from tppo.checkpoint import load_file
+    from tppo.base.checkpoint import load_file
 
     shard = load_file(tmp_path / "kl" / "reference" / "rank0.pt")
     assert shard["optimizer"] is None and shard["model"]  # a forward-only copy: weights, no optimizer state

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tppo" / "engine"))
 import test_executor_workers as W
 from engine_testing import nll_loss
 
+from relibra.executor.engine_api import ExpertEngine
 from relibra.executor.executor import ExpertExecutor
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*(Transformer Engine|Apex).*:UserWarning")
@@ -39,6 +40,7 @@ GPU = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="Megatron's optimize
 def test_permuting_slots_between_steps_changes_nothing(optimizer, dtype):
     static = W._engine(1, optimizer=optimizer, dtype=dtype)
     moved = W._engine(1, optimizer=optimizer, dtype=dtype)
+    assert isinstance(moved, ExpertEngine)  # the surface the executor declares is the engine's
     executor = ExpertExecutor(moved)
     batches = W.make_batches(1, 2, seed=5)[0]
     E = W.TINY["num_experts"]

@@ -116,7 +116,7 @@ def _engine(
     aux_loss: float = 0.0,
     dtype: str = "float32",
 ):
-    from tppo.config import ModelConfig, OptimConfig, ParallelConfig
+    from tppo.engine.config import ModelConfig, OptimConfig, ParallelConfig
     from tppo.engine.engine import MegatronEngine
 
     return MegatronEngine(
@@ -152,7 +152,7 @@ def _train(engine, batches, executor=None, plans=None, loads=None) -> dict:
             h.remove()
         counts.append(seen)
         grads.append(hf_gradients(engine))
-        # As tppo.workers orders it: the optimizer step, whose state hook lands migrated state, then end_step.
+        # As tppo.cluster.workers orders it: the optimizer step, whose state hook lands migrated state, then end_step.
         if executor is not None:
             in_flight.append(executor.state_in_flight)
         engine.optimizer_step()

@@ -149,6 +149,9 @@ class StepResult:
     skipped: bool
     num_microbatches: int
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    # With an expert placement plan (ReLibra's): whether the ranks applied it (False: they refused it together
+    # and trained under the current placement). None when the step had no plan.
+    plan_applied: bool | None = None
 
 
 def replayed_ids(

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from tppo.config import ModelConfig
+from tppo.engine.config import ModelConfig
 
 __all__ = [
     "HF_ARCHS",
@@ -637,7 +637,7 @@ def copy_hf_side_files(src: str, dst: str) -> None:
 
 # --------------------------------------------------------------------------------------------- round trip
 def _convert_rank(src: str, dst: str, ep: int, max_shard_bytes: int) -> None:
-    from tppo.config import ParallelConfig
+    from tppo.engine.config import ParallelConfig
     from tppo.engine.model import build_model
     from tppo.engine.parallel import init_parallel
 

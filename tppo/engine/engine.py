@@ -36,16 +36,17 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from tppo.config import ModelConfig, OptimConfig, ParallelConfig
+from tppo.base.offload import StorageOffloader
+from tppo.base.registry import Registry
 from tppo.engine import grouped_wgrad
 from tppo.engine.batch import ForwardOutput, LossOutput, StepResult, TrainBatch, replayed_ids, to_device
+from tppo.engine.config import ModelConfig, OptimConfig, ParallelConfig
 from tppo.engine.experts import GroupedExperts
+from tppo.engine.layout import RouterLayout
 from tppo.engine.logprobs import token_logprobs_entropy
 from tppo.engine.model import BuiltModel, build_model, moe_layer_ids
-from tppo.engine.offload import StorageOffloader
 from tppo.engine.parallel import ParallelGroups, init_parallel
 from tppo.engine.replay import RouterReplayAction, check_routed_experts
-from tppo.registry import Registry
 
 __all__ = ["LR_SCHEDULES", "MegatronEngine", "lr_at", "unshare_adam_steps", "use_fused_adam"]
 
@@ -329,6 +330,15 @@ class MegatronEngine:
     def replay(self):
         return self.built.replay
 
+    @property
+    def router_layout(self) -> RouterLayout:
+        """How this rank pads micro-batches for its routers (ReLibra's loads are counted the same way)."""
+        return RouterLayout(
+            ep=self.groups.ep_size,
+            seq_multiple=self.groups.tp_size if self.config.sequence_parallel else 1,
+            aligned=self.groups.ep_size > 1 and self.config.moe_token_dispatcher_type == "allgather",
+        )
+
     # ----------------------------------------------------------------- batches
     def _prepare_all(
         self, batches: Sequence[TrainBatch], *, record: bool, require_replay: bool
@@ -346,9 +356,7 @@ class MegatronEngine:
             batch = to_device(batch, self.groups.device)
             batch.payload = to_device(batch.payload, self.groups.device)
             ready.append(batch)
-        multiple = self.groups.tp_size if self.config.sequence_parallel else 1
-        shapes = [(b.shape[0], -(-b.shape[1] // multiple) * multiple) for b in ready]
-        shapes = self._align_over_ep(shapes)
+        shapes = self._align_over_ep([self.router_layout.padded(b.shape) for b in ready])
         return [self._micro_batch(b, shape, record) for b, shape in zip(ready, shapes)]
 
     def _align_over_ep(self, shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -363,7 +371,7 @@ class MegatronEngine:
                 f"expert-parallel ranks were given different numbers of micro-batches "
                 f"({-int(count[1])}..{int(count[0])}); every rank of an EP group must run the same number"
             )
-        if self.config.moe_token_dispatcher_type != "allgather":
+        if not self.router_layout.aligned:
             return shapes
         table = torch.tensor(shapes, device=self.groups.device)
         dist.all_reduce(table, op=dist.ReduceOp.MAX, group=self.groups.ep)

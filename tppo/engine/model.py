@@ -56,8 +56,8 @@ from megatron.core.transformer.transformer_layer import (
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tppo.config import ModelConfig, ParallelConfig
 from tppo.engine import rope as fused_rope
+from tppo.engine.config import ModelConfig, ParallelConfig
 from tppo.engine.dispatch import SortedAlltoAllDispatcher
 from tppo.engine.experts import GroupedExperts
 from tppo.engine.replay import ReplayRouter, RoutingReplay

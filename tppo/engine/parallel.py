@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tppo.config import ParallelConfig
 from tppo.engine.compat import fix_missing_te_symbols, maybe_enable_cpu_compat
+from tppo.engine.config import ParallelConfig
 
 __all__ = ["ParallelGroups", "init_parallel", "reserved_port"]
 

@@ -140,9 +140,9 @@ def ep_parity_worker(
     rank: int, ckpt: str, batches: list, replay_ids: list, logit_ids: list, export_dir: str
 ) -> dict:
     """One rank of an EP=2 engine (world 2, so data parallel 2): everything the parity test compares."""
-    from tppo.config import OptimConfig, ParallelConfig
     from tppo.engine import convert
     from tppo.engine.batch import TrainBatch
+    from tppo.engine.config import OptimConfig, ParallelConfig
     from tppo.engine.convert import model_config_from_hf
     from tppo.engine.engine import MegatronEngine
 
@@ -213,7 +213,7 @@ def layout_worker(
 ) -> dict:
     """One rank of a TP/PP/EP layout: outputs, loss and HF-layout gradients of its data-parallel replica,
     after exporting the (untrained) weights back to HF safetensors."""
-    from tppo.config import OptimConfig, ParallelConfig
+    from tppo.engine.config import OptimConfig, ParallelConfig
     from tppo.engine.convert import model_config_from_hf
     from tppo.engine.engine import MegatronEngine
 

@@ -12,8 +12,8 @@ from engine_testing import make_hf_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tppo.config import OptimConfig, ParallelConfig
 from tppo.engine.batch import TrainBatch
+from tppo.engine.config import OptimConfig, ParallelConfig
 from tppo.engine.convert import (
     HFReader,
     convert_checkpoint,
@@ -162,7 +162,7 @@ def test_unsupported_architecture_lists_supported(tmp_path):
         model_config_from_hf(str(path))
     with pytest.raises(ValueError, match="supported: MixtralForCausalLM, Qwen3MoeForCausalLM"):
         convert_checkpoint(str(path), str(tmp_path / "out"))
-    from tppo.config import ModelConfig
+    from tppo.engine.config import ModelConfig
 
     with pytest.raises(ValueError, match="supported: qwen3_moe, mixtral"):
         MegatronEngine(ModelConfig(arch="gpt2"), ParallelConfig(), OptimConfig())

@@ -73,8 +73,8 @@ def test_permutation_equals_megatron_forward_and_backward():
 
 def _ep2_worker(rank: int, ckpt: str, batches: list) -> dict:
     """Both dispatchers at EP=2 over gloo (alltoall): same weights, same data, losses and gradients back."""
-    from tppo.config import OptimConfig, ParallelConfig
     from tppo.engine import model as model_mod
+    from tppo.engine.config import OptimConfig, ParallelConfig
     from tppo.engine.convert import model_config_from_hf
     from tppo.engine.dispatch import SortedAlltoAllDispatcher
     from tppo.engine.engine import MegatronEngine

@@ -17,8 +17,8 @@ from engine_testing import (
 )
 from safetensors import safe_open
 
-from tppo.config import OptimConfig, ParallelConfig
 from tppo.engine.batch import TrainBatch
+from tppo.engine.config import OptimConfig, ParallelConfig
 from tppo.engine.convert import HFReader, model_config_from_hf
 from tppo.engine.engine import MegatronEngine
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from engine_testing import make_hf_checkpoint
 
-from tppo.config import ModelConfig, OptimConfig, ParallelConfig
 from tppo.engine.batch import LossOutput, TrainBatch
+from tppo.engine.config import ModelConfig, OptimConfig, ParallelConfig
 from tppo.engine.convert import model_config_from_hf
 from tppo.engine.engine import MegatronEngine, lr_at
 

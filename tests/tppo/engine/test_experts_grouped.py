@@ -6,9 +6,9 @@ import pytest
 import torch
 from engine_testing import make_hf_checkpoint
 
-from tppo.config import ModelConfig, OptimConfig, ParallelConfig
 from tppo.engine import experts as experts_mod
 from tppo.engine.batch import LossOutput, TrainBatch
+from tppo.engine.config import ModelConfig, OptimConfig, ParallelConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*(Transformer Engine|Apex).*:UserWarning")
 

@@ -57,8 +57,8 @@ def test_engine_with_fusion_matches_engine_without():
     """Same model, same micro-batches: the dense gradients are bit-identical (the fusion touches only the
     expert weight gradients) and the expert ones agree to bf16 rounding (the unfused path rounds each
     micro-batch's expert gradient to bf16 before adding it up; the fused one does not)."""
-    from tppo.config import ModelConfig, OptimConfig, ParallelConfig
     from tppo.engine.batch import LossOutput, TrainBatch
+    from tppo.engine.config import ModelConfig, OptimConfig, ParallelConfig
     from tppo.engine.engine import MegatronEngine
     from tppo.engine.experts import GroupedExperts
 

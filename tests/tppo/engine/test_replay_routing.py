@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from engine_testing import make_hf_checkpoint
 
-from tppo.config import OptimConfig, ParallelConfig
 from tppo.engine.batch import LossOutput, TrainBatch
+from tppo.engine.config import OptimConfig, ParallelConfig
 from tppo.engine.convert import model_config_from_hf
 from tppo.engine.engine import MegatronEngine
 from tppo.engine.replay import RouterReplayAction, StrictRouterReplay

@@ -1,0 +1,186 @@
+"""The stages of a T-PPO step on plain records: placement, batch layout, scoring failures, advantages."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from rollout import synthetic
+from tppo.algo.advantages import egae, length_adaptive_lambda, postprocess_advantages
+from tppo.algo.batching import critic_batch, place, policy_batch, split_for_ranks
+from tppo.algo.config import AlgoConfig
+from tppo.algo.pool import Sample
+from tppo.algo.stages import (
+    advantages,
+    request_seed,
+    score_finished,
+    shape_rewards,
+    store_values,
+    window_values,
+)
+
+
+def _sample(uid, prompt, earlier, window, finished=False, reward=None, layers=2, k=2):
+    s = Sample(uid=uid, group_id=0, prompt_uid="p", prompt_ids=np.asarray(prompt), max_response_length=64)
+    if earlier:
+        s.max_new_tokens = len(earlier)
+        s.add_window(earlier, np.full(len(earlier), -1.0))
+    s.max_new_tokens = max(len(window), 1) if finished else len(window)
+    n = len(prompt) + len(earlier) + len(window)
+    routes = np.arange(n * layers * k).reshape(n, layers, k) % 7
+    s.add_window(
+        window, np.full(len(window), -0.5), finish_reason="eos" if finished else None, routed_experts=routes
+    )
+    s.reward = reward
+    return s
+
+
+@pytest.mark.parametrize(("n", "ranks", "mbs"), [(16, 2, 4), (5, 2, 4), (1, 2, 1), (7, 3, 2), (9, 1, 4)])
+def test_placement_covers_every_sample_once_with_equal_microbatch_counts(n, ranks, mbs):
+    p = place(n, ranks, mbs)
+    seen = sorted(i for rank in p.rows for mb in rank for i in mb)
+    assert seen == list(range(n))
+    assert len({len(rank) for rank in p.rows}) == 1
+    assert all(len(mb) <= mbs for rank in p.rows for mb in rank)
+
+
+def test_policy_batch_masks_the_current_window_only():
+    a = _sample("a", [1, 2], [5, 6, 7], [8, 9])
+    b = _sample("b", [1, 2, 3], [], [4], finished=True, reward=1.0)
+    batch = policy_batch([a, b], [False, False], [np.array([0.5, -0.5]), np.array([2.0])], routing=True)
+    t = batch.payload
+    assert batch.input_ids_BT.tolist() == [[1, 2, 5, 6, 7, 8, 9], [1, 2, 3, 4, 0, 0, 0]]
+    assert t.window_mask_BT.tolist() == [[0, 0, 0, 0, 0, 1, 1], [0, 0, 0, 1, 0, 0, 0]]
+    assert t.response_mask_BT.tolist() == [[0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 1, 0, 0, 0]]
+    assert t.advantages_BT[0, 5:].tolist() == [0.5, -0.5] and t.advantages_BT[1, 3] == 2.0
+    assert t.positive_B.tolist() == [0.0, 1.0]
+    assert torch.equal(batch.routed_experts_BTLK[0], torch.as_tensor(a.routed_experts, dtype=torch.int32))
+
+
+def test_filler_rows_train_nothing_and_missing_routing_fails_loudly():
+    a = _sample("a", [1, 2], [], [3, 4], finished=True, reward=0.5)
+    split = split_for_ranks([a], place(1, 2, 4))
+    fill_samples, fill_flags = split[1][0]
+    assert fill_flags == [True]
+    batch = critic_batch(fill_samples, fill_flags, routing=False)
+    assert batch.payload.mask_BT.sum() == 0
+    a.routed_experts = None
+    with pytest.raises(ValueError, match="carry no routed experts"):
+        policy_batch([a], [False], [np.zeros(2)], routing=True)
+
+
+def test_critic_targets_are_the_outcome_on_every_response_token():
+    a = _sample("a", [1, 2], [5, 6], [7], finished=True, reward=-1.0)
+    a.values = np.array([0.1, 0.2, 0.3], np.float32)
+    t = critic_batch([a], [False], routing=False).payload
+    assert t.returns_BT.tolist() == [[0, 0, -1, -1, -1]]
+    assert t.old_values_BT[0, 2:].tolist() == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_scoring_counts_raising_nonfinite_and_hanging_verifiers():
+    samples = [_sample(str(i), [1], [], [2], finished=True) for i in range(4)]
+    samples.append(_sample("open", [1], [], [2, 3]))
+
+    def verifier(s):
+        if s.uid == "0":
+            raise RuntimeError("boom")
+        if s.uid == "1":
+            return float("nan")
+        if s.uid == "2":
+            time.sleep(5)
+        return 0.25
+
+    m = score_finished(samples, verifier, timeout_s=0.5)
+    assert [s.reward for s in samples[:4]] == [-1.0, -1.0, -1.0, 0.25]
+    assert samples[4].reward is None
+    assert m == {"rollout/reward_failures": 2.0, "rollout/reward_timeouts": 1.0}
+
+
+def test_advantages_match_egae_then_postprocessing():
+    a = _sample("a", [1], [2, 3], [4, 5, 6])
+    b = _sample("b", [1], [], [7, 8], finished=True, reward=1.0)
+    values = [np.array([0.1, 0.4, 0.2], np.float32), np.array([0.3, -0.2], np.float32)]
+    cfg = AlgoConfig(window=3, max_response_length=64)
+    got, metrics = advantages([a, b], values, cfg)
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+    finished = torch.tensor([0.0, 1.0])
+    lam = length_adaptive_lambda(torch.tensor([5.0 + 1.5, 2.0]), 0.05, 0.95)
+    ref = egae(
+        torch.tensor([[0.0, 0, 0], [0, 1.0, 0]]),
+        torch.tensor([[0.1, 0.4, 0.2], [0.3, -0.2, 0]]),
+        mask,
+        finished,
+        lam=lam,
+    )
+    ref = postprocess_advantages(ref, mask, finished, whiten=True, clamp=10.0)
+    assert np.allclose(got[0], ref[0].numpy()) and np.allclose(got[1], ref[1, :2].numpy())
+    assert metrics["tppo/lambda_mean"] == pytest.approx(float(lam.mean()))
+
+
+def test_window_values_cut_the_current_window():
+    a = _sample("a", [1, 2], [3], [4, 5])
+    full = np.arange(5, dtype=np.float32)
+    assert window_values([a], [full])[0].tolist() == [3.0, 4.0]
+
+
+def test_request_seeds_are_stable_and_distinct():
+    assert request_seed(0, 3, "x") == request_seed(0, 3, "x")
+    assert len({request_seed(0, s, u) for s in range(20) for u in "abc"}) == 60
+
+
+def test_countdown_verifier():
+    n = 5
+    p = synthetic.prompt_ids(n)
+    assert synthetic.score(p, synthetic.reference_response(n)) == 1.0
+    assert synthetic.score(p, [synthetic.EOS]) == -1.0
+    assert synthetic.score(p, [4, 2, 1, 0, synthetic.EOS]) == pytest.approx(2 * 3 / 6 - 1)
+    assert synthetic.score(p, [4, 3, 4, 3, 2, 1, 0, synthetic.EOS]) == pytest.approx(2 * 5 / 6 - 1)  # repeats
+    # A policy found this once: count down, jump back up, count down again. It must not beat the answer.
+    assert synthetic.score(p, [4, 3, 2, 1, 0, 59, 58, 57, 3, 2, 1, 0, synthetic.EOS]) == pytest.approx(
+        2 * 5 / 6 - 1
+    )
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        response = rng.integers(0, synthetic.VOCAB_SIZE, size=rng.integers(1, 64))
+        assert -1.0 <= synthetic.score(p, response) <= 1.0
+    with pytest.raises(ValueError, match="not a countdown prompt"):
+        synthetic.score([1, 2], [3])
+
+
+def test_overlong_shaping_adds_dapos_penalty_to_finished_rewards():
+    """DAPO's piecewise penalty, written out: 0 up to L_max - L_cache, then linear down to -1 at L_max."""
+    algo = AlgoConfig(window=8, max_response_length=64, overlong_buffer=16)
+    lengths = [10, 48, 56, 64]
+    batch = [_sample(f"s{n}", [1], [], list(range(2, 2 + n)), finished=True, reward=1.0) for n in lengths]
+    open_ = _sample("open", [1], [], [2, 3])  # unfinished: no reward yet, nothing to shape
+    metrics = shape_rewards([*batch, open_], algo)
+    want = [0.0, 0.0, -0.5, -1.0]
+    assert [s.reward for s in batch] == pytest.approx([1.0 + w for w in want])
+    assert open_.reward is None
+    assert metrics["rollout/overlong_penalty_mean"] == pytest.approx(np.mean(want))
+    untouched = _sample("u", [1], [], list(range(2, 66)), finished=True, reward=1.0)
+    assert shape_rewards([untouched], AlgoConfig(window=8, max_response_length=64)) == {}
+    assert untouched.reward == 1.0
+
+
+def test_store_values_keeps_windows_or_recomputes_every_response_token_of_finished_samples():
+    def fresh():
+        done = _sample("d", [1, 2], [5, 6, 7], [8], finished=True, reward=1.0)
+        done.values = np.zeros(3, np.float32)  # the earlier window's, stored window by window
+        return done, _sample("o", [1, 2], [], [3, 4])
+
+    rows = [np.arange(6, dtype=np.float32) * 0.5, np.arange(4, dtype=np.float32)]
+    windows = [np.full(1, 9.0, np.float32), np.full(2, 7.0, np.float32)]
+    done, open_ = fresh()
+    store_values([done, open_], windows, rows, AlgoConfig(critic_old_values="stored"))
+    np.testing.assert_array_equal(done.values, [0.0, 0.0, 0.0, 9.0])
+    np.testing.assert_array_equal(open_.values, windows[1])
+    done, open_ = fresh()
+    store_values([done, open_], windows, rows, AlgoConfig(critic_old_values="recompute"))
+    np.testing.assert_array_equal(done.values, rows[0][2:6])
+    np.testing.assert_array_equal(open_.values, windows[1])  # still in flight: its stored values stay
+    batch = critic_batch([done], [False], routing=False)
+    np.testing.assert_array_equal(batch.payload.old_values_BT[0, 2:6].numpy(), rows[0][2:6])

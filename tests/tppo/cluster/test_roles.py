@@ -1,0 +1,90 @@
+"""Roles on Ray: a dead actor is a clear error naming the role; a non-finite loss skips the update."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from tppo.algo.objectives import value_objective
+from tppo.algo.pool import Sample
+from tppo.cluster.config import ClusterConfig
+from tppo.cluster.roles import RankGroup, RoleError, Trainer, start_trainers
+from tppo.cluster.session import ray_session
+from tppo.config import ExperimentConfig
+from tppo.engine.batch import LossOutput
+from tppo.engine.config import ParallelConfig
+
+pytestmark = [pytest.mark.dist]
+
+
+class _Fragile:
+    def ok(self) -> int:
+        return 1
+
+    def die(self) -> None:
+        os._exit(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class NaNObjective:
+    def __call__(self, out, batch) -> LossOutput:
+        return LossOutput(loss_sum=out.logprobs_BT.sum() * float("nan"), denominator=1)
+
+
+def test_dead_actor_is_a_clear_error():
+    import ray
+
+    with ray_session(ClusterConfig(object_store_mb=100, cpus_per_node=2)):
+        handle = ray.remote(num_cpus=0.01)(_Fragile).remote()
+        group = RankGroup("policy", [handle], remote=True)
+        assert group.call(_Fragile.ok) == [1]
+        with pytest.raises(RoleError, match=r"a policy rank died during die\(\)"):
+            group.call(_Fragile.die)
+
+
+def _sample(uid: str) -> Sample:
+    s = Sample(uid=uid, group_id=0, prompt_uid="p", prompt_ids=np.array([60, 5, 62]), max_response_length=8)
+    s.max_new_tokens = 3
+    s.add_window([4, 3, 2], np.zeros(3))
+    return s
+
+
+@pytest.mark.slow
+def test_non_finite_loss_skips_the_update_and_weights_stay():
+    cfg = ExperimentConfig()
+    cfg.parallel = ParallelConfig(micro_batch_size=2)
+    with ray_session(ClusterConfig(object_store_mb=100, cpus_per_node=2)):
+        group = start_trainers(
+            "policy", cfg.model, cfg.parallel, cfg.algo.actor_optim, 1, seed=0, total_steps=4
+        )
+        trainer = Trainer(group, micro_batch_size=2, routing=False)
+        batches = trainer.policy_batches([_sample("a"), _sample("b")], [np.zeros(3), np.zeros(3)])
+        before = trainer.forward(batches)[0][0].logprobs_BT
+        result = trainer.train(batches, NaNObjective())
+        after = trainer.forward(batches)[0][0].logprobs_BT
+        assert result.skipped
+        assert torch.equal(before, after)
+
+
+@pytest.mark.slow
+def test_a_rank_holding_only_filler_rows_trains_without_hanging(monkeypatch):
+    """One finished sample on two expert-parallel critic ranks: rank 1 gets a zero-mask filler row and must
+    still run the same backward collectives as rank 0."""
+    import tppo.cluster.roles
+
+    monkeypatch.setattr(tppo.cluster.roles, "CALL_TIMEOUT_S", 180.0)
+    cfg = ExperimentConfig()
+    parallel = ParallelConfig(expert_parallel=2, micro_batch_size=2)
+    with ray_session(ClusterConfig(object_store_mb=100, cpus_per_node=2)):
+        group = start_trainers("critic", cfg.model, parallel, cfg.algo.critic_optim, 2, seed=1, total_steps=4)
+        critic = Trainer(group, micro_batch_size=2, routing=False)
+        sample = _sample("only")
+        sample.finished, sample.reward = True, 1.0
+        batches = critic.critic_batches([sample])
+        assert batches[1][0].payload.mask_BT.sum() == 0  # the filler
+        result = critic.train(batches, value_objective(cfg.algo, batches))
+        assert not result.skipped and result.grad_norm > 0

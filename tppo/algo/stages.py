@@ -1,0 +1,233 @@
+"""The pieces of one T-PPO step that the driver loop strings together: generate a window, score, values,
+advantages, the two updates, and the metrics of each. Each function does one stage on typed records.
+
+Legend: B samples of the step, W tokens of the longest current window, T tokens of a whole sequence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tppo.algo.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    expected_lengths,
+    length_adaptive_lambda,
+    overlong_penalty,
+    postprocess_advantages,
+)
+from tppo.algo.config import AlgoConfig
+from tppo.algo.losses import mismatch_metrics
+from tppo.algo.pool import Sample
+
+Verifier = Callable[[Sample], float]
+
+
+@dataclass
+class PhaseTimer:
+    """Wall time per phase of a step, reported as perf/<phase>_s."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"perf/{k}_s": v for k, v in self.seconds.items()} | {
+            "perf/step_s": sum(self.seconds.values())
+        }
+
+
+def request_seed(run_seed: int, step: int, uid: str) -> int:
+    """A sampling seed that depends only on the run, the step and the sample, so a resumed run draws the same."""
+    digest = hashlib.blake2b(f"{run_seed}/{step}/{uid}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def score_finished(
+    batch: Sequence[Sample], verifier: Verifier, timeout_s: float = 30.0, failure_reward: float = -1.0
+) -> dict[str, float]:
+    """Give every finished sample its reward. A verifier that raises, returns a non-finite value or runs past
+    `timeout_s` scores `failure_reward` for that sample and is counted; it never ends the run. A verifier stuck
+    past its time is abandoned in its thread (Python cannot kill a thread) and scoring goes on in a new one."""
+    failures, timeouts = 0, 0
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
+        for s in batch:
+            if not s.finished:
+                continue
+            future = pool.submit(verifier, s)
+            try:
+                reward = float(future.result(timeout=timeout_s))
+                if not np.isfinite(reward):
+                    raise ValueError(f"non-finite reward {reward}")
+            except FutureTimeout:
+                reward, timeouts = failure_reward, timeouts + 1
+                pool.shutdown(wait=False, cancel_futures=True)
+                pool = ThreadPoolExecutor(max_workers=1)
+            except Exception:
+                reward, failures = failure_reward, failures + 1
+            s.reward = reward
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return {"rollout/reward_failures": float(failures), "rollout/reward_timeouts": float(timeouts)}
+
+
+def shape_rewards(batch: Sequence[Sample], algo: AlgoConfig) -> dict[str, float]:
+    """DAPO's overlong shaping (algo.overlong_buffer = L_cache > 0): every sample that finished this step gets
+    `overlong_penalty(|y|, L_max, L_cache)` added to its verifier reward, so the advantages, the critic's targets
+    and the reward metrics all see the shaped reward; rollout/overlong_penalty_mean is the mean penalty."""
+    finished = [s for s in batch if s.finished and s.reward is not None]
+    if not algo.overlong_buffer or not finished:
+        return {}
+    lengths = torch.tensor([s.num_response_tokens for s in finished])
+    penalty = overlong_penalty(lengths, algo.max_response_length, algo.overlong_buffer)
+    for s, p in zip(finished, penalty.tolist()):
+        s.reward = float(s.reward) + p
+    return {"rollout/overlong_penalty_mean": float(penalty.mean())}
+
+
+def store_values(
+    batch: Sequence[Sample],
+    window_values_rows: Sequence[np.ndarray],
+    values_rows: Sequence[np.ndarray],
+    algo: AlgoConfig,
+) -> None:
+    """Keep each sample's current-window values (the value-clipping anchor of its critic update). With
+    algo.critic_old_values=recompute, the finished samples' anchors become the pre-update critic's values of this
+    step over every response token, instead of those stored window by window."""
+    for s, v in zip(batch, window_values_rows):
+        s.store_values(v)
+    if algo.critic_old_values != "recompute":
+        return
+    for s, v in zip(batch, values_rows):
+        if s.finished:
+            p = len(s.prompt_ids)
+            s.values = np.asarray(v[p : p + s.num_response_tokens], dtype=np.float32).copy()
+
+
+def _window_tensor(rows: Sequence[np.ndarray], width: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), width, dtype=torch.float32)
+    for b, r in enumerate(rows):
+        out[b, : len(r)] = torch.as_tensor(r, dtype=torch.float32)
+    return out
+
+
+def window_values(batch: Sequence[Sample], values_rows: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """V(s_t) of each sample's current-window tokens, cut from the critic's whole-sequence values."""
+    out = []
+    for s, v in zip(batch, values_rows):
+        p = len(s.prompt_ids)
+        out.append(np.asarray(v[p + s.window_start : p + s.num_response_tokens], dtype=np.float32))
+    return out
+
+
+def advantages(
+    batch: Sequence[Sample], values: Sequence[np.ndarray], algo: AlgoConfig
+) -> tuple[list[np.ndarray], dict]:
+    """The registered estimator over the current windows, then tail mask, whitening and clamping."""
+    lengths = [len(s.window_ids) for s in batch]
+    width = max(lengths)
+    mask = _window_tensor([np.ones(n) for n in lengths], width)
+    finished = torch.tensor([s.finished for s in batch], dtype=torch.float32)
+    rewards = _window_tensor([_reward_row(s) for s in batch], width)
+    lam: float | torch.Tensor = algo.lam
+    if algo.lam_adaptive:
+        generated = torch.tensor([s.num_response_tokens for s in batch], dtype=torch.float32)
+        lam = length_adaptive_lambda(
+            expected_lengths(generated, finished, algo.window), algo.lam_alpha, algo.lam
+        )
+    groups = torch.tensor([s.group_id for s in batch], dtype=torch.long)
+    inputs = AdvantageInputs(
+        rewards_BT=rewards,
+        mask_BT=mask,
+        finished_B=finished,
+        values_BT=_window_tensor(values, width),
+        group_ids_B=groups,
+        gamma=algo.gamma,
+        lam=lam,
+        bootstrap=algo.bootstrap,
+    )
+    raw = ADVANTAGE_ESTIMATORS.get(algo.estimator)(inputs)
+    if raw.dim() == 1:  # outcome estimators (GRPO) give one advantage per sample
+        raw = raw[:, None] * mask
+    adv = postprocess_advantages(
+        raw, mask, finished, num_tail=algo.tail_mask, whiten=algo.whiten, clamp=algo.adv_clamp
+    )
+    valid = mask.bool()
+    lam_t = lam if isinstance(lam, torch.Tensor) else torch.full((len(batch),), float(lam))
+    metrics = {
+        "tppo/adv_mean": float(raw[valid].mean()),
+        "tppo/adv_std": float(raw[valid].std()) if valid.sum() > 1 else 0.0,
+        "tppo/adv_abs_max": float(raw[valid].abs().max()),
+        "tppo/lambda_mean": float(lam_t.mean()),
+    }
+    return [adv[b, :n].numpy() for b, n in enumerate(lengths)], metrics
+
+
+def _reward_row(s: Sample) -> np.ndarray:
+    row = np.zeros(len(s.window_ids), np.float32)
+    if s.finished:
+        row[-1] = float(s.reward if s.reward is not None else 0.0)
+    return row
+
+
+def fill_old_logprobs(policy_batches, forward_outputs, take_routing: bool = False) -> dict[str, float]:
+    """Store the trainer's pre-update log-probs as the PPO ratio's denominator (and, for R2, the experts its
+    router chose, to be replayed by the update); report the rollout/trainer mismatch."""
+    trainer, rollout, mask = [], [], []
+    for rank_batches, rank_outs in zip(policy_batches, forward_outputs):
+        for b, out in zip(rank_batches, rank_outs):
+            b.payload.old_logprobs_BT = out.logprobs_BT.detach().float()
+            if take_routing:
+                b.routed_experts_BTLK = out.routed_experts_BTLK
+            trainer.append(out.logprobs_BT.flatten())
+            rollout.append(b.payload.rollout_logprobs_BT.flatten())
+            mask.append(b.payload.window_mask_BT.flatten())
+    m = mismatch_metrics(torch.cat(trainer)[None], torch.cat(rollout)[None], torch.cat(mask)[None])
+    return {k.replace("tppo/mismatch_", "mismatch/"): v for k, v in m.items()}
+
+
+def fill_ref_logprobs(policy_batches, forward_outputs) -> None:
+    """Store the reference policy's log-probs of the same tokens (the KL penalty's target)."""
+    for rank_batches, rank_outs in zip(policy_batches, forward_outputs, strict=True):
+        for b, out in zip(rank_batches, rank_outs, strict=True):
+            b.payload.ref_logprobs_BT = out.logprobs_BT.detach().float()
+
+
+def rollout_metrics(batch: Sequence[Sample], retired: Sequence[Sample], seconds: float) -> dict[str, float]:
+    new_tokens = [len(s.window_ids) for s in batch]
+    out = {
+        "rollout/tokens": float(sum(new_tokens)),
+        "rollout/tokens_per_s": sum(new_tokens) / max(seconds, 1e-9),
+        "rollout/cut_fraction": float(np.mean([not s.finished for s in batch])),
+        "rollout/finished": float(len(retired)),
+    }
+    if retired:
+        lengths = np.array([s.num_response_tokens for s in retired])
+        windows = np.array([s.window_round for s in retired])
+        out |= {
+            "rollout/reward_mean": float(np.mean([s.reward for s in retired])),
+            "rollout/length_mean": float(lengths.mean()),
+            "rollout/length_p50": float(np.percentile(lengths, 50)),
+            "rollout/length_p90": float(np.percentile(lengths, 90)),
+            "rollout/length_max": float(lengths.max()),
+            "rollout/windows_mean": float(windows.mean()),
+            "rollout/multi_window_fraction": float(np.mean(windows > 1)),
+            "rollout/overlong_fraction": float(np.mean([s.finish_reason == "length" for s in retired])),
+        }
+    return out

@@ -1,0 +1,34 @@
+"""Where the roles run: nodes, devices, placement of ranks, Ray."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tppo.base.fields import spec
+
+
+@dataclass
+class ClusterConfig:
+    """Where the roles run. Plumbing only; `ray_address` None starts a local Ray instance."""
+
+    num_nodes: int = spec(1, ge=1)
+    gpus_per_node: int = spec(0, ge=0, help="0: CPU-only (gloo)")
+    cpus_per_node: int | None = None
+    ray_address: str | None = None
+    object_store_mb: int = spec(128, ge=64)
+    placement: str = spec("colocated", choices=("colocated", "separate"))
+    policy_ranks: int = spec(1, ge=1, help="trainer processes of the policy")
+    critic_ranks: int = spec(1, ge=1)
+    rollout_workers: int = spec(1, ge=1)
+    offload: str = spec(
+        "auto",
+        choices=("auto", "on", "off"),
+        help="time-share devices between roles (trainers offload while the rollout engine generates, the engine "
+        "sleeps while they train); auto: on for colocated GPU runs",
+    )
+
+    @property
+    def time_shared(self) -> bool:
+        if self.offload == "auto":
+            return bool(self.gpus_per_node) and self.placement == "colocated"
+        return self.offload == "on"

@@ -1,0 +1,253 @@
+"""Driver-side handles of the roles: the policy, critic and reference trainers (groups of Megatron ranks) and
+the rollout engines, as Ray actors in the run's placement group (tppo.cluster.placement), or in-process objects
+for single-rank debugging and tests.
+
+The driver talks to a role only through the typed methods of its handle (`Trainer.train`, `.offload`,
+`Rollout.generate`, `.load_weights`, ...); a handle names the worker method it runs by reference, never by a
+string. A trainer handle turns pool samples into per-rank micro-batches (tppo.algo.batching) and gathers
+per-rank outputs back into per-sample rows, so the driver never sees the ranks' nesting. A dead actor ends the
+run with a message that names the role and rank, never a hang: every remote call waits with a timeout.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from relibra.plan import Plan
+from rollout.params import SamplingParams
+from rollout.worker import RolloutWorker, WorkerInfo
+from tppo.algo.batching import Placement, critic_batch, place, policy_batch, split_for_ranks
+from tppo.algo.pool import Sample
+from tppo.cluster.placement import Reservation
+from tppo.cluster.workers import ExecutorSpec, RankSpec, TrainerWorker
+from tppo.engine.batch import ForwardOutput, StepResult, TrainBatch
+from tppo.engine.config import ModelConfig, OptimConfig, ParallelConfig
+from tppo.engine.layout import RouterLayout
+from tppo.engine.parallel import reserved_port
+
+CALL_TIMEOUT_S = 1800.0
+
+# Per-rank micro-batches of one role: batches[r][m] is micro-batch m of rank r.
+RankBatches = list[list[TrainBatch]]
+
+
+class RoleError(RuntimeError):
+    """A role's process died or failed; the message names the role and rank."""
+
+
+class RankGroup:
+    """The ranks of one role. Every call goes to all ranks (they run collectives together)."""
+
+    def __init__(self, name: str, handles: list[Any], remote: bool) -> None:
+        self.name, self.handles, self.remote = name, handles, remote
+
+    @property
+    def size(self) -> int:
+        return len(self.handles)
+
+    def call(
+        self, method: Callable[..., Any], per_rank: Sequence[tuple] | None = None, *args: Any
+    ) -> list[Any]:
+        """Run the worker method `method` (e.g. `TrainerWorker.offload`) on every rank, with per-rank arguments
+        or the same `args`, and wait for all."""
+        name = method.__name__
+        arg_lists = list(per_rank) if per_rank is not None else [args] * self.size
+        if not self.remote:
+            return [getattr(h, name)(*a) for h, a in zip(self.handles, arg_lists)]
+        import ray
+
+        refs = [getattr(h, name).remote(*a) for h, a in zip(self.handles, arg_lists)]
+        try:
+            return ray.get(refs, timeout=CALL_TIMEOUT_S)
+        except ray.exceptions.RayActorError as err:
+            raise RoleError(f"a {self.name} rank died during {name}(): {err}") from err
+        except ray.exceptions.GetTimeoutError as err:
+            raise RoleError(f"{self.name}.{name}() did not finish within {CALL_TIMEOUT_S:.0f} s") from err
+        except ray.exceptions.RayTaskError as err:
+            raise RoleError(f"{self.name}.{name}() failed: {err}") from err
+
+
+def start_group(
+    name: str, cls: type, args: Sequence[tuple], remote: bool, placement: Reservation | None = None
+) -> RankGroup:
+    """One `cls(*args[i])` per rank i: Ray actors in `placement`'s bundles when `remote`, else in-process."""
+    handles = []
+    for rank, rank_args in enumerate(args):
+        if remote:
+            import ray
+
+            options = placement.options(name, rank) if placement else {"num_cpus": 0.01}
+            handles.append(ray.remote(cls).options(**options).remote(*rank_args))
+        else:
+            handles.append(cls(*rank_args))
+    return RankGroup(name, handles, remote)
+
+
+# ------------------------------------------------------------------------------------------------ rollout
+@dataclass
+class Rollout:
+    """The rollout engines: generation is split over them, weights go to all of them."""
+
+    ranks: RankGroup
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[Any]:
+        """Generate on every engine at once, each taking a contiguous share of the requests; outputs come back in
+        request order (a request's seed, not its engine, decides what it samples)."""
+        n, size = len(prompts), self.ranks.size
+        bounds = [n * w // size for w in range(size + 1)]
+        shares = [([list(p) for p in prompts[a:b]], list(params[a:b])) for a, b in itertools.pairwise(bounds)]
+        return [out for outs in self.ranks.call(RolloutWorker.generate, shares) for out in outs]
+
+    def load_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
+        self.ranks.call(RolloutWorker.load_weights, None, named_tensors)
+
+    def sleep(self) -> None:
+        """Release the engines' KV cache and weights (colocated roles); the next call brings them back."""
+        self.ranks.call(RolloutWorker.sleep)
+
+    def info(self) -> list[WorkerInfo]:
+        return self.ranks.call(RolloutWorker.info)
+
+
+def start_rollout(
+    hf_dir: Path,
+    device: str,
+    dtype: str,
+    rollout_cfg: Any,
+    num_workers: int,
+    remote: bool,
+    placement: Reservation | None = None,
+) -> Rollout:
+    """The rollout engines, each in its own process, built from an HF directory (the policy's export); waits
+    until all are built (or fails with a message naming the role)."""
+    args = (str(hf_dir), device, dtype, rollout_cfg, 1 if device == "cpu" else None)
+    rollout = Rollout(start_group("rollout", RolloutWorker, [args] * num_workers, remote, placement))
+    rollout.info()
+    return rollout
+
+
+# ----------------------------------------------------------------------------------------------- trainers
+def start_trainers(
+    role: str,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    optim: OptimConfig,
+    num_ranks: int,
+    *,
+    seed: int,
+    total_steps: int,
+    executor: ExecutorSpec | None = None,
+    remote: bool = True,
+    placement: Reservation | None = None,
+) -> RankGroup:
+    """Start `num_ranks` TrainerWorkers of `role` and wait until all are built (the rendezvous port stays
+    reserved until then)."""
+    with reserved_port() as port:
+        args = [
+            (
+                RankSpec(
+                    role=role, rank=rank, world_size=num_ranks, master_addr="127.0.0.1", master_port=port
+                ),
+                model,
+                parallel,
+                optim,
+                total_steps,
+                seed,
+                executor,
+            )
+            for rank in range(num_ranks)
+        ]
+        group = start_group(role, TrainerWorker, args, remote, placement)
+        group.call(TrainerWorker.ready)
+    return group
+
+
+@dataclass
+class Trainer:
+    """A policy, critic or reference: turns samples into per-rank micro-batches and runs them on its ranks."""
+
+    ranks: RankGroup
+    micro_batch_size: int
+    routing: bool
+
+    def placement(self, num_samples: int) -> Placement:
+        return place(num_samples, self.ranks.size, self.micro_batch_size)
+
+    def policy_batches(self, samples: Sequence[Sample], advantages: Sequence[np.ndarray]) -> RankBatches:
+        adv = {s.uid: a for s, a in zip(samples, advantages)}
+        split = split_for_ranks(samples, self.placement(len(samples)))
+        return [
+            [policy_batch(ss, ff, [adv[s.uid] for s in ss], self.routing) for ss, ff in rank]
+            for rank in split
+        ]
+
+    def critic_batches(self, samples: Sequence[Sample]) -> RankBatches:
+        split = split_for_ranks(samples, self.placement(len(samples)))
+        return [[critic_batch(ss, ff, self.routing) for ss, ff in rank] for rank in split]
+
+    def forward(
+        self, batches: RankBatches, with_entropy: bool = False, record_routing: bool = False
+    ) -> list[list[ForwardOutput]]:
+        """Per rank, per micro-batch: the engine's outputs (aligned with `batches`)."""
+        return self.ranks.call(TrainerWorker.forward, [(b, with_entropy, record_routing) for b in batches])
+
+    def values(self, samples: Sequence[Sample]) -> list[np.ndarray]:
+        """The critic's V(s_t) over every token of each sample's sequence, in the samples' order."""
+        outs = self.forward(self.critic_batches(samples))
+        return _rows(outs, self.placement(len(samples)), len(samples))
+
+    def train(
+        self,
+        batches: RankBatches,
+        objective: Callable[..., Any],
+        plan: Plan | None = None,
+        loads_MLSE: np.ndarray | None = None,
+    ) -> StepResult:
+        """One update on every rank (under ReLibra's `plan` when given); the result of rank 0 (losses and norms
+        are reduced over the ranks)."""
+        extra = () if plan is None else (plan, loads_MLSE)
+        return self.ranks.call(TrainerWorker.train, [(b, objective, *extra) for b in batches])[0]
+
+    def router_layout(self) -> RouterLayout:
+        return self.ranks.call(TrainerWorker.router_layout)[0]
+
+    def weights(self, bucket_bytes: int) -> list[list[tuple[str, Any]]]:
+        """The policy's weights in HF names and logical expert order, in buckets of about `bucket_bytes`."""
+        return self.ranks.call(TrainerWorker.hf_weights, None, bucket_bytes)[0]
+
+    def offload(self) -> None:
+        """Free the devices for a colocated role; the next call that needs the state brings it back."""
+        self.ranks.call(TrainerWorker.offload)
+
+    def export_hf(self, out_dir: Path) -> None:
+        self.ranks.call(TrainerWorker.export_hf, None, str(out_dir))
+
+    def save(self, shards: Sequence[Path], with_optimizer: bool = True) -> None:
+        """Every rank writes its shard to `shards[rank]`."""
+        self.ranks.call(TrainerWorker.save, [(str(p), with_optimizer) for p in self._per_rank(shards)])
+
+    def load(self, shards: Sequence[Path]) -> None:
+        self.ranks.call(TrainerWorker.load, [(str(p),) for p in self._per_rank(shards)])
+
+    def _per_rank(self, shards: Sequence[Path]) -> Sequence[Path]:
+        if len(shards) != self.ranks.size:
+            raise ValueError(
+                f"{len(shards)} shard paths for the {self.ranks.size} ranks of {self.ranks.name}"
+            )
+        return shards
+
+
+def _rows(outs: list[list[ForwardOutput]], placement: Placement, num: int) -> list[np.ndarray]:
+    """Per-sample rows of the per-token values, back in the samples' order (fillers dropped)."""
+    rows: list[np.ndarray | None] = [None] * num
+    for rank_rows, rank_outs in zip(placement.rows, outs):
+        for mb_rows, out in zip(rank_rows, rank_outs):
+            for j, i in enumerate(mb_rows):
+                rows[i] = out.values_BT[j].float().numpy()
+    return [r for r in rows if r is not None]

@@ -1,0 +1,202 @@
+"""Rank-side workers: one Megatron-Core rank of the policy or the critic. A plain class, so the same code runs
+as a Ray actor (`ray.remote(TrainerWorker)`) or in-process (single-rank debugging and tests).
+
+Each worker joins its role's own torch.distributed world (gloo on CPU, NCCL on GPU) through the usual
+environment variables, set here from the arguments the driver hands out; policy and critic live in
+different processes, so their Megatron parallel states never meet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from relibra.plan import Plan
+from relibra.validate import PlanError
+from tppo.engine.batch import ForwardOutput, LossOutput, StepResult, TrainBatch, to_device
+from tppo.engine.config import ModelConfig, OptimConfig, ParallelConfig
+from tppo.engine.layout import RouterLayout
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Where one rank sits in its role's world."""
+
+    role: str
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    num_threads: int = 1
+
+
+@dataclass(frozen=True)
+class ExecutorSpec:
+    """The policy ranks' ReLibra executor: replica slots per rank, the node size (replicas stay inside) and the
+    receive buffers of a migration's optimizer state."""
+
+    replica_slots: int
+    gpus_per_node: int
+    state_buffer_mb: int
+
+
+class TrainerWorker:
+    """One rank of a policy or critic: forward, train, export weights, save and load its shard."""
+
+    def __init__(
+        self,
+        spec: RankSpec,
+        model: ModelConfig,
+        parallel: ParallelConfig,
+        optim: OptimConfig,
+        total_steps: int | None,
+        seed: int,
+        relibra: ExecutorSpec | None = None,
+    ) -> None:
+        os.environ.update(
+            RANK=str(spec.rank),
+            WORLD_SIZE=str(spec.world_size),
+            LOCAL_RANK=str(spec.rank),
+            MASTER_ADDR=spec.master_addr,
+            MASTER_PORT=str(spec.master_port),
+        )
+        torch.set_num_threads(spec.num_threads)
+        from tppo.engine.engine import MegatronEngine
+
+        self.spec = spec
+        # The reference policy is a policy network that only ever runs forward: no gradients, no optimizer.
+        engine_role = "critic" if spec.role == "critic" else "policy"
+        self.engine = MegatronEngine(
+            model,
+            parallel,
+            optim,
+            role=engine_role,
+            total_steps=total_steps,
+            seed=seed,
+            optimizer="none" if spec.role == "reference" else "auto",
+        )
+        self.executor = None
+        if relibra is not None:
+            from relibra.executor.executor import ExpertExecutor
+
+            self.executor = ExpertExecutor(
+                self.engine,
+                num_replica_slots=relibra.replica_slots,
+                gpus_per_node=relibra.gpus_per_node,
+                state_buffer_mb=relibra.state_buffer_mb,
+            )
+
+    def ready(self) -> int:
+        return self.spec.rank
+
+    def offload(self) -> None:
+        """Free the device for a colocated role (weights and optimizer state to host, gradients dropped); the
+        next call that needs them brings them back."""
+        if not self.engine.offloaded:
+            self.engine.offload()
+
+    def _awake(self) -> None:
+        if self.engine.offloaded:
+            self.engine.onload()
+
+    def router_layout(self) -> RouterLayout:
+        """How this rank pads micro-batches for its routers (the driver counts ReLibra's loads the same way)."""
+        return self.engine.router_layout
+
+    def forward(
+        self, batches: Sequence[TrainBatch], with_entropy: bool = False, record_routing: bool = False
+    ) -> list[ForwardOutput]:
+        self._awake()
+        outs = self.engine.forward(
+            list(batches),
+            with_entropy=with_entropy,
+            record_routing=record_routing,
+            require_replay=_replayed(batches),
+        )
+        return [to_device(o, torch.device("cpu")) for o in outs]
+
+    def train(
+        self,
+        batches: Sequence[TrainBatch],
+        objective: Callable[[ForwardOutput, TrainBatch], LossOutput],
+        plan: Plan | None = None,
+        loads_MLSE: np.ndarray | None = None,
+    ) -> StepResult:
+        """One optimizer step; with a ReLibra `plan`, the experts are placed and replicated by it meanwhile."""
+        self._awake()
+        batches, replay = list(batches), _replayed(batches)
+        use_plan = plan is not None and self.executor is not None
+        applied = use_plan and self._begin_plan(plan, loads_MLSE, len(batches))
+        try:
+            result = self.engine.train_step(batches, objective, require_replay=replay)
+        except BaseException:
+            if applied:
+                with contextlib.suppress(Exception):
+                    self.executor.end_step()
+            raise
+        if use_plan:
+            result.plan_applied = applied
+            result.metrics |= (self.executor.end_step() if applied else {}) | {
+                "relibra/exec_refused": float(not applied)
+            }
+        return result
+
+    def _begin_plan(self, plan: Plan, loads_MLSE: np.ndarray, num_microbatches: int) -> bool:
+        """Apply `plan` for the coming step; False when the ranks refused it (they vote before anything moves,
+        so all refuse together and train under the current placement)."""
+        try:
+            self.executor.begin_step(plan, loads_MLSE, num_microbatches=num_microbatches)
+        except PlanError as err:
+            _log.warning(
+                "rank %d: ReLibra plan refused, training under the current placement: %s", self.spec.rank, err
+            )
+            return False
+        return True
+
+    def hf_weights(self, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+        """Every rank must call this (the export gathers experts); rank 0 returns the buckets, others []."""
+        self._awake()
+        buckets = [list(b) for b in self.engine.iter_hf_weights(bucket_bytes=bucket_bytes)]
+        return buckets if self.spec.rank == 0 else []
+
+    def export_hf(self, out_dir: str) -> None:
+        self._awake()
+        self.engine.export_hf(out_dir)
+
+    def save(self, path: str, with_optimizer: bool = True) -> None:
+        """Write this rank's shard; without the optimizer state for a forward-only copy (the reference policy)."""
+        self._awake()
+        from tppo.base.checkpoint import save_file
+
+        state = self.engine.state_dict()
+        if not with_optimizer:
+            state["optimizer"] = None
+        save_file(state, Path(path))
+
+    def load(self, path: str) -> None:
+        self._awake()
+        from tppo.base.checkpoint import load_file
+
+        state = load_file(Path(path))
+        if self.executor is not None:
+            # The checkpoint's placement is the planner's too (saved with the driver): keep it.
+            self.executor.load_checkpoint(state, keep_saved_placement=True)
+        else:
+            self.engine.load_state_dict(state)
+
+
+def _replayed(batches: Sequence[TrainBatch]) -> bool:
+    """Batches that carry routing must be replayed exactly; a batch without routing is never silently mixed in."""
+    flags = {b.routed_experts_BTLK is not None for b in batches}
+    if len(flags) > 1:
+        raise ValueError("routed_experts_BTLK is missing for some micro-batches of a replayed step")
+    return flags == {True}

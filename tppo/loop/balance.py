@@ -1,0 +1,162 @@
+"""ReLibra in the training loop: the load tensor of each step from the replayed routing, and a plan for it.
+
+The routing that the policy update replays (R3: the rollout's; R2: the trainer's own old-log-prob pass) and the
+deterministic placement of samples on (data-parallel rank, micro-batch) give D[m, l, s, e] before the update
+runs. The planner registered under `relibra.planner` plans it; the simulator prices the static placement and the
+plan, and the step reports skew and simulated MoE speed-up under `relibra/`. The policy's ranks apply the plan
+with relibra.executor around the update (tppo.cluster.workers); what they measured comes back as `relibra/exec_*`.
+
+The loads count padding too (the experts compute it): the engine pads every micro-batch to the shape its routers
+run, and `tppo.engine.layout` says how (the engine uses the same rule), so the plan's quotas cover exactly the pairs each rank routes.
+
+Legend: M micro-batches, L MoE layers, S source (EP) ranks, E experts, B rows, T tokens, K top-k.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from relibra.config import RelibraConfig
+from relibra.cost_model import CostModel, step_cost
+from relibra.plan import Plan, PlannerState, Topology, static_home_LE
+from relibra.planners import PARALLEL_PLANNERS, PlanContext, run_planner
+from relibra.planners.parallel import start_workers
+from tppo.cluster.workers import ExecutorSpec
+from tppo.config import ExperimentConfig
+from tppo.engine.batch import TrainBatch, replayed_ids
+from tppo.engine.config import ModelConfig
+from tppo.engine.layout import RouterLayout, router_shapes
+
+
+def relibra_applies(cfg: ExperimentConfig) -> bool:
+    """ReLibra plans the policy update when it is on, routing is replayed and experts are split over ranks."""
+    return cfg.relibra.enabled and cfg.algo.routing_replay != "off" and cfg.parallel.expert_parallel > 1
+
+
+def executor_spec(cfg: ExperimentConfig) -> ExecutorSpec | None:
+    """The policy ranks' executor of ReLibra plans, when plans exist."""
+    if not relibra_applies(cfg):
+        return None
+    return ExecutorSpec(
+        replica_slots=cfg.relibra.replica_slots,
+        gpus_per_node=cfg.relibra.gpus_per_node,
+        state_buffer_mb=cfg.relibra.state_buffer_mb,
+    )
+
+
+def loads_from_batches(batches: list[list[TrainBatch]], layout: RouterLayout, num_experts: int) -> np.ndarray:
+    """D[m, l, s, e]: the (token, top-k) pairs the routers of rank r (source s = r mod EP) send to expert e in
+    micro-batch m, padding included (tppo.engine.batch.replayed_ids): exactly what the experts compute."""
+    num_mb = len(batches[0])
+    num_layers = int(batches[0][0].routed_experts_BTLK.shape[2])
+    loads = np.zeros((num_mb, num_layers, layout.ep, num_experts), dtype=np.int64)
+    run_shapes = router_shapes([[b.shape for b in rank] for rank in batches], layout)
+    for r, (rank_batches, shapes) in enumerate(zip(batches, run_shapes, strict=True)):
+        for m, (b, shape) in enumerate(zip(rank_batches, shapes, strict=True)):
+            ids_NLK = replayed_ids(b.routed_experts_BTLK, b.valid_BT(), shape, num_experts).flatten(0, 1)
+            for layer in range(num_layers):
+                loads[m, layer, r % layout.ep] += torch.bincount(
+                    ids_NLK[:, layer].reshape(-1), minlength=num_experts
+                ).numpy()
+    return loads
+
+
+@dataclass
+class StepPlan:
+    """A step's plan for the policy update: what the executor applies (`plan`, None for a non-applicable
+    planner output such as `ideal`) with the loads it was made for, and the metrics of planning it."""
+
+    plan: Plan | None
+    loads_MLSE: np.ndarray
+    metrics: dict[str, float]
+
+
+class LoadPlanner:
+    """Plans every step's expert placement from its exact loads, keeping the planner state between steps."""
+
+    def __init__(self, cfg: RelibraConfig, model: ModelConfig, layout: RouterLayout) -> None:
+        num_experts = model.num_experts
+        self.topo = Topology(
+            num_gpus=layout.ep,
+            gpus_per_node=cfg.gpus_per_node,
+            num_experts=num_experts,
+            num_replica_slots=cfg.replica_slots,
+        )
+        # The cost model's hardware, at the trained model's expert shape (replica pushes, GEMM times, NIC weight).
+        cost = CostModel.from_yaml(cfg.cost_model, cfg.nic_routing).for_expert_shape(
+            model.hidden_size, model.moe_ffn_hidden_size
+        )
+        self.ctx = PlanContext(topo=self.topo, config=cfg, cost=cost, topk=model.moe_topk)
+        if cfg.planner in PARALLEL_PLANNERS:
+            start_workers(cfg.planner_processes)  # here, so that the first step's planner_s is planning only
+        self.name, self.layout, self.num_experts = cfg.planner, layout, num_experts
+        self.state = PlannerState()
+        self._before = PlannerState()
+        self.expert_load_LE: np.ndarray | None = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relibra-planner")
+
+    def plan(self, batches: list[list[TrainBatch]]) -> StepPlan:
+        return self.start(batches).result()
+
+    def start(self, batches: list[list[TrainBatch]]) -> Future[StepPlan]:
+        """Plan in the background, on one thread so that steps plan in order, while the driver waits for the
+        critic update and the old log-probs (the plan is needed only by the policy update). The routing is read
+        here, so the batches may change once this returns; `refused` must wait for the result."""
+        loads = loads_from_batches(batches, self.layout, self.num_experts)
+        per_expert = loads.sum(axis=(0, 2))
+        self.expert_load_LE = per_expert if self.expert_load_LE is None else self.expert_load_LE + per_expert
+        return self._thread.submit(self._plan, loads)
+
+    def _plan(self, loads: np.ndarray) -> StepPlan:
+        prev_home = (
+            self.state.home_LE
+            if self.state.home_LE is not None
+            else static_home_LE(loads.shape[1], self.topo)
+        )
+        start = time.perf_counter()
+        self._before = self.state
+        plan, self.state = run_planner(self.name, loads, self.ctx, self.state)
+        planner_s = time.perf_counter() - start
+        static, _ = run_planner("static", loads, self.ctx, PlannerState())
+        static_cost = step_cost(static, loads, self.ctx.topk, self.topo, self.ctx.cost, static.home_LE)
+        out = {
+            "relibra/planner_s": planner_s,
+            "relibra/skew_static": _mean(static_cost.skew_ML),
+            "relibra/skew_max_static": _max(static_cost.skew_ML),
+        }
+        if not isinstance(plan, Plan):
+            return StepPlan(None, loads, out)
+        cost = step_cost(plan, loads, self.ctx.topk, self.topo, self.ctx.cost, prev_home)
+        out |= {
+            "relibra/skew_planned": _mean(cost.skew_ML),
+            "relibra/skew_max_planned": _max(cost.skew_ML),
+            "relibra/sim_moe_speedup": static_cost.moe_us / max(cost.moe_us, 1e-9),
+            "relibra/migration_bytes": float(cost.migration_bytes),
+            "relibra/replicas_per_mb_layer": _replicas(plan),
+        }
+        return StepPlan(plan, loads, out)
+
+    def refused(self) -> None:
+        """The trainer could not apply the last plan: its placement did not change, so neither does ours."""
+        self.state = self._before
+
+
+def _replicas(plan) -> float:
+    """Mean number of filled replica slots per (micro-batch, layer)."""
+    replica_slots = plan.slots_MLGJ[..., plan.num_home_slots :]
+    return float((replica_slots >= 0).sum(axis=(2, 3)).mean()) if replica_slots.size else 0.0
+
+
+def _mean(x: np.ndarray) -> float:
+    finite = x[np.isfinite(x)]
+    return float(finite.mean()) if finite.size else float("nan")
+
+
+def _max(x: np.ndarray) -> float:
+    finite = x[np.isfinite(x)]
+    return float(finite.max()) if finite.size else float("nan")

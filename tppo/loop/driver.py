@@ -1,0 +1,198 @@
+"""The T-PPO driver loop (specs/tppo.md): one process that holds no model and runs the dataflow of each step.
+
+    take from the pool -> generate one window (routing recorded) -> score finished -> values -> advantages
+    -> ReLibra plan from the replayed routing (in the background, during the next two stages) -> critic update
+    (finished only) -> old log-probs -> policy update (routing replay, under the plan) -> weight sync to the
+    rollout engine -> put back, metrics, checkpoint on schedule
+
+Colocated roles time-share the devices (cluster.time_shared): the trainers offload before generation, the
+rollout engine sleeps after it and the critic offloads after its update; a role's next call brings it back.
+
+Everything heavy runs in the roles (tppo.cluster.roles); the math and the stages of a step are in tppo.algo.
+Departure from the paper: none in the loop; see tppo/algo/stages.py and the spec's "readings" for the choices the
+paper leaves open.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from rollout.params import SamplingParams
+from tppo.algo.objectives import policy_objective, value_objective
+from tppo.algo.pool import Sample, SamplePool
+from tppo.algo.stages import (
+    PhaseTimer,
+    Verifier,
+    advantages,
+    fill_old_logprobs,
+    fill_ref_logprobs,
+    request_seed,
+    rollout_metrics,
+    score_finished,
+    shape_rewards,
+    store_values,
+    window_values,
+)
+from tppo.cluster.roles import RankBatches, Rollout, Trainer
+from tppo.config import ExperimentConfig
+from tppo.engine.batch import StepResult
+from tppo.loop.balance import LoadPlanner, StepPlan
+
+
+@dataclass
+class Roles:
+    policy: Trainer
+    critic: Trainer
+    rollout: Rollout | None = None  # started once the policy has exported its first weights
+    planner: LoadPlanner | None = None  # when ReLibra is on
+    reference: Trainer | None = None  # the frozen reference policy, when a KL penalty is on
+
+
+def rl_step(
+    step: int,
+    cfg: ExperimentConfig,
+    pool: SamplePool,
+    roles: Roles,
+    verifier: Verifier,
+    stop_ids: tuple[int, ...],
+) -> dict[str, float]:
+    """One T-PPO step; returns its metrics."""
+    timer, metrics, shared = PhaseTimer(), {}, cfg.cluster.time_shared
+    batch = pool.take()
+    if shared:
+        with timer("offload"):
+            offload_trainers(roles)
+    with timer("rollout"):
+        generate(roles.rollout, batch, cfg, step, stop_ids)
+    if shared:
+        with timer("offload"):
+            roles.rollout.sleep()
+    metrics |= score_finished(batch, verifier, cfg.data.reward_timeout_s)
+    metrics |= shape_rewards(batch, cfg.algo)
+    with timer("values"):
+        values = roles.critic.values(batch)
+        win_values = window_values(batch, values)
+    store_values(batch, win_values, values, cfg.algo)
+    adv, adv_metrics = advantages(batch, win_values, cfg.algo)
+    metrics |= adv_metrics
+    policy_in = roles.policy.policy_batches(batch, adv)
+    updates_policy = step >= cfg.algo.critic_warmup_steps
+    planning = start_plan(roles, policy_in) if updates_policy and cfg.algo.routing_replay == "r3" else None
+    metrics |= update_critic(roles.critic, [s for s in batch if s.finished], cfg, timer)
+    if updates_policy:
+        metrics |= update_policy(roles, policy_in, planning, cfg, timer)
+        with timer("weight_sync"):
+            sync_weights(roles, cfg)
+    outcome = pool.put_back(batch)
+    metrics |= rollout_metrics(batch, outcome.retired, timer.seconds["rollout"]) | timer.metrics()
+    metrics |= {f"rollout/pool_{k.split('/', 1)[1]}": v for k, v in outcome.metrics().items()}
+    return metrics
+
+
+def generate(
+    rollout: Rollout, batch: list[Sample], cfg: ExperimentConfig, step: int, stop_ids: tuple[int, ...]
+) -> None:
+    """One window of every sample of the batch, appended to the sample (with its routing under R3)."""
+    r = cfg.rollout
+    params = [
+        SamplingParams(
+            max_new_tokens=s.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            seed=request_seed(cfg.run.seed, step, s.uid),
+            stop_token_ids=stop_ids,
+        )
+        for s in batch
+    ]
+    outs = rollout.generate([s.context_ids.tolist() for s in batch], params)
+    for s, o in zip(batch, outs):
+        reason = None if o.finish_reason == "length" else o.finish_reason
+        routed = o.routed_experts if cfg.algo.routing_replay == "r3" else None
+        s.add_window(o.token_ids, o.logprobs, finish_reason=reason, routed_experts=routed)
+
+
+def update_critic(
+    critic: Trainer, finished: list[Sample], cfg: ExperimentConfig, timer: PhaseTimer
+) -> dict[str, float]:
+    """The critic's update on the finished responses (Monte-Carlo targets); nothing when none finished."""
+    if not finished:
+        return {}
+    with timer("critic_update"):
+        critic_in = critic.critic_batches(finished)
+        metrics = step_metrics("critic", critic.train(critic_in, value_objective(cfg.algo, critic_in)))
+    if cfg.cluster.time_shared:
+        with timer("offload"):
+            critic.offload()
+    return metrics
+
+
+def update_policy(
+    roles: Roles,
+    policy_in: RankBatches,
+    planning: Future[StepPlan] | None,
+    cfg: ExperimentConfig,
+    timer: PhaseTimer,
+) -> dict[str, float]:
+    """Old (and reference) log-probs, then the policy update under ReLibra's plan when there is one."""
+    with timer("old_logprobs"):
+        # R2: the trainer's own pass records the experts the update then replays.
+        record = cfg.algo.routing_replay == "r2"
+        metrics = fill_old_logprobs(policy_in, roles.policy.forward(policy_in, record_routing=record), record)
+    if record:
+        planning = start_plan(roles, policy_in)
+    if roles.reference is not None:
+        with timer("ref_logprobs"):
+            fill_ref_logprobs(policy_in, roles.reference.forward(policy_in))
+    step_plan = finish_plan(planning, timer)
+    plan = step_plan.plan if step_plan is not None else None
+    with timer("policy_update"):
+        objective = policy_objective(cfg.algo, policy_in)
+        loads = step_plan.loads_MLSE if plan is not None else None
+        result = roles.policy.train(policy_in, objective, plan, loads)
+        metrics |= step_metrics("tppo", result)
+    if step_plan is not None:
+        metrics |= step_plan.metrics
+    if result.plan_applied is False:
+        roles.planner.refused()
+    return metrics
+
+
+def offload_trainers(roles: Roles) -> None:
+    """Free the devices for the rollout engine: every trainer role moves its state to host memory."""
+    for trainer in (roles.policy, roles.critic, roles.reference):
+        if trainer is not None:
+            trainer.offload()
+
+
+def start_plan(roles: Roles, policy_in: RankBatches) -> Future[StepPlan] | None:
+    """Start ReLibra's plan for the policy update from the routing it will replay (None when ReLibra is off); it
+    runs in the background while the critic updates and the old (and reference) log-probs are computed."""
+    return None if roles.planner is None else roles.planner.start(policy_in)
+
+
+def finish_plan(planning: Future[StepPlan] | None, timer: PhaseTimer) -> StepPlan | None:
+    """The plan, once ready; perf/plan_wait_s is how long the step waited for it (relibra/planner_s: how long
+    planning took)."""
+    if planning is None:
+        return None
+    with timer("plan_wait"):
+        return planning.result()
+
+
+def sync_weights(roles: Roles, cfg: ExperimentConfig) -> None:
+    """Policy weights, bucketed, in HF names and logical expert order, into the rollout engine."""
+    for bucket in roles.policy.weights(cfg.rollout.weight_sync_bucket_mb << 20):
+        roles.rollout.load_weights(bucket)
+
+
+def step_metrics(ns: str, result: StepResult) -> dict[str, float]:
+    """An update's loss, gradient norm, LR and skip count, and the ranks' own metrics, under `ns/`."""
+    out = {
+        f"{ns}/loss": result.loss,
+        f"{ns}/grad_norm": result.grad_norm,
+        f"{ns}/lr": result.lr,
+        f"{ns}/skipped_updates": float(result.skipped),
+    }
+    return out | {k if "/" in k else f"{ns}/{k}": v for k, v in result.metrics.items()}

@@ -1,0 +1,254 @@
+"""A whole training run: roles up, warm start or resume, the step loop with checkpoints, the summary.
+
+The run directory `<run.output_dir>/<run.name>` is stable for a name, so re-running the same command finds the
+last complete checkpoint and resumes from it: trainer shards, the pool with every in-flight response, the data
+position, RNG states and the step. The rollout engine's weights are derived from the policy's, so they are
+re-exported rather than saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tppo.algo.batching import place, policy_batch, split_for_ranks
+from tppo.algo.objectives import supervised_objective
+from tppo.algo.pool import Sample, SamplePool
+from tppo.base import checkpoint
+from tppo.base.metrics import MetricsLogger, progress
+from tppo.cluster.placement import Reservation, reserve
+from tppo.cluster.roles import RoleError, Rollout, Trainer, start_rollout, start_trainers
+from tppo.cluster.session import ray_session
+from tppo.config import ExperimentConfig
+from tppo.engine.config import ParallelConfig
+from tppo.eval.periodic import LoopEval, due, prepare_loop_eval, run_loop_eval
+from tppo.loop.balance import LoadPlanner, executor_spec, relibra_applies
+from tppo.loop.driver import Roles, offload_trainers, rl_step
+from tppo.loop.report import summarize, write_plots
+from tppo.loop.tasks import Task, build_task
+
+
+def run_dir(cfg: ExperimentConfig) -> Path:
+    return Path(cfg.run.output_dir) / cfg.run.name
+
+
+def critic_parallel(cfg: ExperimentConfig) -> ParallelConfig:
+    """The critic splits experts over its own ranks the same way the policy does when it can."""
+    ep = cfg.cluster.critic_ranks if cfg.model.num_experts % cfg.cluster.critic_ranks == 0 else 1
+    return dataclasses.replace(cfg.parallel, tensor_parallel=1, pipeline_parallel=1, expert_parallel=ep)
+
+
+def rollout_engines(cfg: ExperimentConfig, hf_dir: Path, placement: Reservation | None = None) -> Rollout:
+    """The rollout engines (cluster.rollout_workers), each in its own process, built from the HF directory the
+    policy exported."""
+    device = "cuda" if cfg.cluster.gpus_per_node else "cpu"
+    return start_rollout(
+        hf_dir, device, cfg.rollout.dtype, cfg.rollout, cfg.cluster.rollout_workers, True, placement
+    )
+
+
+def warm_start(cfg: ExperimentConfig, task: Task, policy: Trainer) -> list[float]:
+    """Supervised steps on the task's demonstrations (a recipe stage before RL); returns the NLL per step."""
+    if not cfg.algo.warm_start_steps or task.demonstrate is None:
+        return []
+    rng = np.random.default_rng(cfg.run.seed + 7)
+    losses = []
+    for _ in progress(range(cfg.algo.warm_start_steps), desc="warm start", enabled=cfg.logging.progress):
+        prompts = [task.dataset[int(i)] for i in rng.integers(0, len(task.dataset), cfg.algo.batch_size)]
+        samples = [_demo_sample(p, task.demonstrate(p, rng), i) for i, p in enumerate(prompts)]
+        split = split_for_ranks(samples, place(len(samples), policy.ranks.size, policy.micro_batch_size))
+        batches = [[_sft_batch(ss, ff) for ss, ff in rank] for rank in split]
+        losses.append(policy.train(batches, supervised_objective(batches)).loss)
+    return losses
+
+
+def _demo_sample(prompt, response: list[int], i: int) -> Sample:
+    s = Sample(
+        uid=f"demo-{i}",
+        group_id=i,
+        prompt_uid=prompt.uid,
+        prompt_ids=np.asarray(prompt.prompt_ids),
+        max_response_length=len(response),
+    )
+    s.response_ids = np.asarray(response, np.int32)
+    s.rollout_logprobs = np.zeros(len(response), np.float32)
+    return s
+
+
+def _sft_batch(samples, filler):
+    batch = policy_batch(samples, filler, [np.zeros(s.num_response_tokens) for s in samples], routing=False)
+    batch.loss_mask_BT = batch.payload.response_mask_BT
+    return batch
+
+
+def _save(cfg: ExperimentConfig, roles: Roles, pool: SamplePool, step: int, history: dict[str, Any]) -> None:
+    ckpt = checkpoint.begin(run_dir(cfg) / "checkpoints", step)
+    for role, trainer in (("policy", roles.policy), ("critic", roles.critic)):
+        trainer.save([ckpt.shard(role, r) for r in range(trainer.ranks.size)])
+    # The policy also in Hugging Face form (logical expert order), for evaluation and serving.
+    roles.policy.export_hf(ckpt.tmp / checkpoint.POLICY_HF)
+    state = {
+        "step": step,
+        "pool": pool.state_dict(),
+        "history": history,
+        "planner": roles.planner.state if roles.planner is not None else None,
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+    }
+    checkpoint.save_file(state, ckpt.tmp / "driver.pt")
+    checkpoint.commit(ckpt, cfg.run.keep_checkpoints)
+
+
+def _resume(cfg: ExperimentConfig, roles: Roles, pool: SamplePool) -> tuple[int, dict[str, Any]] | None:
+    last = checkpoint.latest(run_dir(cfg) / "checkpoints")
+    if last is None:
+        return None
+    for role, trainer in (("policy", roles.policy), ("critic", roles.critic)):
+        trainer.load([last / f"{role}_rank{r}.pt" for r in range(trainer.ranks.size)])
+    state = checkpoint.load_file(last / "driver.pt")
+    pool.load_state_dict(state["pool"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if roles.planner is not None and state["planner"] is not None:
+        roles.planner.state = state["planner"]
+        roles.planner.expert_load_LE = state["history"].get("expert_load")
+    return state["step"], state["history"]
+
+
+def train(cfg: ExperimentConfig) -> dict[str, Any]:
+    """Run (or resume) the experiment; returns the summary written to summary.json."""
+    random.seed(cfg.run.seed)
+    np.random.seed(cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)
+    task = build_task(cfg)
+    loop_eval = prepare_loop_eval(
+        cfg.eval, cfg.run.eval_every, cfg.rollout.max_model_len, task.tokenizer, task.stop_token_ids
+    )
+    out = run_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    reference_ranks = cfg.cluster.policy_ranks if cfg.algo.kl_coef else 0
+    with ray_session(cfg.cluster), reserve(cfg.cluster, reference_ranks) as placement:
+        roles = _start_roles(cfg, placement)
+        pool = SamplePool.from_config(cfg.algo, task.dataset, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+        resumed = _resume(cfg, roles, pool)
+        start, history = (resumed[0] + 1, resumed[1]) if resumed else (0, {})
+        if not resumed:
+            history["warm_start_nll"] = warm_start(cfg, task, roles.policy)
+        if roles.reference is not None:
+            _freeze_reference(cfg, roles, fresh=not resumed)
+        # The rollout engine starts from the policy's current weights (warm-started or resumed).
+        roles.policy.export_hf(out / "rollout_init")
+        if cfg.cluster.time_shared:  # the engine sizes its KV cache from the free memory it finds
+            offload_trainers(roles)
+        roles.rollout = rollout_engines(cfg, out / "rollout_init", placement)
+        with MetricsLogger(
+            out,
+            cfg.logging,
+            cfg.run.name,
+            dataclasses.asdict(cfg),
+            resume_step=resumed[0] if resumed else None,
+        ) as logger:
+            try:
+                _loop(cfg, roles, pool, task, logger, history, start, loop_eval)
+            except RoleError as err:
+                last = checkpoint.latest(out / "checkpoints")
+                where = f"the last complete checkpoint is {last}" if last else "no checkpoint was written yet"
+                raise RoleError(f"{err}\n{where}; re-run the same command to resume") from err
+            summary = summarize(history)
+            write_plots(out, history, history.get("expert_load"))
+            logger.summary(summary)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _loop(
+    cfg: ExperimentConfig,
+    roles: Roles,
+    pool: SamplePool,
+    task: Task,
+    logger: MetricsLogger,
+    history: dict[str, Any],
+    start: int,
+    loop_eval: LoopEval | None = None,
+) -> None:
+    steps = range(start, cfg.run.num_steps)
+    for step in progress(
+        steps, total=cfg.run.num_steps, initial=start, desc="T-PPO", enabled=cfg.logging.progress
+    ):
+        metrics = rl_step(step, cfg, pool, roles, task.verifier, task.stop_token_ids)
+        _remember(history, metrics)
+        if roles.planner is not None:
+            history["expert_load"] = roles.planner.expert_load_LE
+        if loop_eval is not None and due(cfg.run.eval_every, step):
+            t0 = time.perf_counter()
+            metrics |= run_loop_eval(loop_eval, roles.rollout, run_dir(cfg), step)
+            metrics["perf/eval_s"] = time.perf_counter() - t0
+        logger.log(metrics, step=step)
+        if (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0) or step + 1 == cfg.run.num_steps:
+            _save(cfg, roles, pool, step, history)
+
+
+def _start_roles(cfg: ExperimentConfig, placement: Reservation) -> Roles:
+    c, mbs, routing = cfg.cluster, cfg.parallel.micro_batch_size, cfg.algo.routing_replay == "r3"
+
+    def trainers(role: str, parallel: ParallelConfig, num_ranks: int, **kwargs: Any) -> Any:
+        optim = cfg.algo.critic_optim if role == "critic" else cfg.algo.actor_optim
+        seed = cfg.run.seed + (1 if role == "critic" else 0)
+        return start_trainers(
+            role,
+            cfg.model,
+            parallel,
+            optim,
+            num_ranks,
+            seed=seed,
+            total_steps=cfg.run.num_steps,
+            placement=placement,
+            **kwargs,
+        )
+
+    policy = Trainer(
+        trainers("policy", cfg.parallel, c.policy_ranks, executor=executor_spec(cfg)), mbs, routing
+    )
+    critic = Trainer(trainers("critic", critic_parallel(cfg), c.critic_ranks), mbs, False)
+    planner = LoadPlanner(cfg.relibra, cfg.model, policy.router_layout()) if relibra_applies(cfg) else None
+    reference = None
+    if cfg.algo.kl_coef:
+        reference = Trainer(trainers("reference", cfg.parallel, c.policy_ranks), mbs, routing)
+    return Roles(policy=policy, critic=critic, planner=planner, reference=reference)
+
+
+def _freeze_reference(cfg: ExperimentConfig, roles: Roles, fresh: bool) -> None:
+    """The reference policy is the policy as RL starts (after the warm start). Its shards are written once into
+    the run directory, so a resumed run loads the same reference rather than the resumed policy."""
+    folder = run_dir(cfg) / "reference"
+    shards = [folder / f"rank{r}.pt" for r in range(roles.policy.ranks.size)]
+    if fresh:
+        folder.mkdir(parents=True, exist_ok=True)
+        roles.policy.save(shards, with_optimizer=False)
+    elif not all(s.exists() for s in shards):
+        raise FileNotFoundError(
+            f"algo.kl_coef={cfg.algo.kl_coef} but the reference policy of this run is missing from {folder}"
+        )
+    roles.reference.load(shards)
+
+
+def _remember(history: dict[str, Any], m: dict[str, float]) -> None:
+    for key, metric in (
+        ("reward", "rollout/reward_mean"),
+        ("length", "rollout/length_mean"),
+        ("multi_window", "rollout/multi_window_fraction"),
+        ("tokens_per_s", "rollout/tokens_per_s"),
+        ("skew_static", "relibra/skew_static"),
+        ("skew_planned", "relibra/skew_planned"),
+        ("skew_executed", "relibra/exec_skew_measured"),
+    ):
+        history.setdefault(key, []).append(m.get(metric, float("nan")))
