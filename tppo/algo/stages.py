@@ -28,6 +28,7 @@ from tppo.algo.advantages import (
 from tppo.algo.config import AlgoConfig
 from tppo.algo.losses import mismatch_metrics
 from tppo.algo.pool import Sample
+from tppo.engine.batch import ForwardOutput, TrainBatch
 
 Verifier = Callable[[Sample], float]
 
@@ -186,27 +187,45 @@ def _reward_row(s: Sample) -> np.ndarray:
     return row
 
 
-def fill_old_logprobs(policy_batches, forward_outputs, take_routing: bool = False) -> dict[str, float]:
-    """Store the trainer's pre-update log-probs as the PPO ratio's denominator (and, for R2, the experts its
-    router chose, to be replayed by the update); report the rollout/trainer mismatch."""
-    trainer, rollout, mask = [], [], []
-    for rank_batches, rank_outs in zip(policy_batches, forward_outputs):
-        for b, out in zip(rank_batches, rank_outs):
-            b.payload.old_logprobs_BT = out.logprobs_BT.detach().float()
-            if take_routing:
-                b.routed_experts_BTLK = out.routed_experts_BTLK
-            trainer.append(out.logprobs_BT.flatten())
-            rollout.append(b.payload.rollout_logprobs_BT.flatten())
-            mask.append(b.payload.window_mask_BT.flatten())
-    m = mismatch_metrics(torch.cat(trainer)[None], torch.cat(rollout)[None], torch.cat(mask)[None])
+def store_old_logprobs(
+    batches: Sequence[TrainBatch], outs: Sequence[ForwardOutput], take_routing: bool = False
+) -> None:
+    """One rank's micro-batches: the trainer's pre-update log-probs become the PPO ratio's denominator (and, for
+    R2, the experts its router chose are what the update replays)."""
+    for b, out in zip(batches, outs, strict=True):
+        b.payload.old_logprobs_BT = out.logprobs_BT.detach().float()
+        if take_routing:
+            b.routed_experts_BTLK = out.routed_experts_BTLK
+
+
+def store_ref_logprobs(batches: Sequence[TrainBatch], outs: Sequence[ForwardOutput]) -> None:
+    """One rank's micro-batches: the reference policy's log-probs of the same tokens (the KL penalty's target)."""
+    for b, out in zip(batches, outs, strict=True):
+        b.payload.ref_logprobs_BT = out.logprobs_BT.detach().float()
+
+
+MismatchInputs = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def mismatch_inputs(batches: Sequence[TrainBatch]) -> MismatchInputs:
+    """Per micro-batch, flat: the old (trainer) log-probs, the rollout's log-probs and the window mask."""
+    return [
+        (
+            b.payload.old_logprobs_BT.flatten(),
+            b.payload.rollout_logprobs_BT.flatten(),
+            b.payload.window_mask_BT.flatten(),
+        )
+        for b in batches
+    ]
+
+
+def rollout_mismatch(parts: Sequence[MismatchInputs]) -> dict[str, float]:
+    """How far the trainer's log-probs are from the rollout's on the window tokens of the whole batch (`parts`:
+    every rank's `mismatch_inputs`, in rank order), as `mismatch/` metrics."""
+    flat = [mb for rank in parts for mb in rank]
+    trainer, rollout, mask = (torch.cat([mb[i] for mb in flat])[None] for i in range(3))
+    m = mismatch_metrics(trainer, rollout, mask)
     return {k.replace("tppo/mismatch_", "mismatch/"): v for k, v in m.items()}
-
-
-def fill_ref_logprobs(policy_batches, forward_outputs) -> None:
-    """Store the reference policy's log-probs of the same tokens (the KL penalty's target)."""
-    for rank_batches, rank_outs in zip(policy_batches, forward_outputs, strict=True):
-        for b, out in zip(rank_batches, rank_outs, strict=True):
-            b.payload.ref_logprobs_BT = out.logprobs_BT.detach().float()
 
 
 def rollout_metrics(batch: Sequence[Sample], retired: Sequence[Sample], seconds: float) -> dict[str, float]:

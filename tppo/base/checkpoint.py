@@ -16,16 +16,38 @@ The file system must be shared by all ranks (as on any Slurm cluster with a shar
 from __future__ import annotations
 
 import os
+import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 COMPLETE = "COMPLETE"
 POLICY_HF = "policy_hf"  # the policy exported as a Hugging Face checkpoint
 LATEST = "latest"
+
+
+class Stateful(Protocol):
+    """What the driver checkpoints: an object that hands out its state and takes it back, exactly."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class RngState:
+    """The driver process's random generators (Python's, NumPy's global, torch's CPU) as one `Stateful`."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,15 @@ CALL_TIMEOUT_S = 1800.0
 RankBatches = list[list[TrainBatch]]
 
 
+@dataclass(frozen=True)
+class OldLogprobs:
+    """What the driver gets back from the old log-probs pass: the rollout/trainer mismatch of the whole batch and,
+    when the ranks recorded the routing (R2), each rank's expert loads [M, L, E] in rank order."""
+
+    metrics: dict[str, float]
+    counts_MLE: list[np.ndarray] | None = None
+
+
 class RoleError(RuntimeError):
     """A role's process died or failed; the message names the role and rank."""
 
@@ -202,17 +211,34 @@ class Trainer:
         outs = self.forward(self.critic_batches(samples))
         return _rows(outs, self.placement(len(samples)), len(samples))
 
+    def stage(self, batches: RankBatches) -> None:
+        """Send this step's micro-batches to the ranks, which keep them for the calls below and the update."""
+        self.ranks.call(TrainerWorker.stage, [(b,) for b in batches])
+
+    def old_logprobs(self, record_routing: bool = False) -> OldLogprobs:
+        """The pre-update log-probs of the staged batches, kept on the ranks; the mismatch metrics of the whole
+        batch and, with `record_routing` (R2), every rank's expert loads in rank order."""
+        reports = self.ranks.call(TrainerWorker.old_logprobs, None, record_routing)
+        counts = [r.counts_MLE for r in reports] if record_routing else None
+        return OldLogprobs(metrics=reports[0].metrics, counts_MLE=counts)
+
+    def ref_logprobs(self, outs: list[list[ForwardOutput]]) -> None:
+        """Store the reference policy's outputs on the same micro-batches into the staged batches."""
+        self.ranks.call(TrainerWorker.ref_logprobs, [(o,) for o in outs])
+
     def train(
         self,
-        batches: RankBatches,
+        batches: RankBatches | None,
         objective: Callable[..., Any],
         plan: Plan | None = None,
         loads_MLSE: np.ndarray | None = None,
     ) -> StepResult:
-        """One update on every rank (under ReLibra's `plan` when given); the result of rank 0 (losses and norms
-        are reduced over the ranks)."""
+        """One update on every rank on `batches` (None: those staged), under ReLibra's `plan` when given; the
+        result of rank 0 (losses and norms are reduced over the ranks)."""
+        if batches is not None:
+            self.stage(batches)
         extra = () if plan is None else (plan, loads_MLSE)
-        return self.ranks.call(TrainerWorker.train, [(b, objective, *extra) for b in batches])[0]
+        return self.ranks.call(TrainerWorker.train, None, objective, *extra)[0]
 
     def router_layout(self) -> RouterLayout:
         return self.ranks.call(TrainerWorker.router_layout)[0]

@@ -17,12 +17,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from relibra.plan import Plan
 from relibra.validate import PlanError
+from tppo.algo.stages import mismatch_inputs, rollout_mismatch, store_old_logprobs, store_ref_logprobs
 from tppo.engine.batch import ForwardOutput, LossOutput, StepResult, TrainBatch, to_device
 from tppo.engine.config import ModelConfig, OptimConfig, ParallelConfig
-from tppo.engine.layout import RouterLayout
+from tppo.engine.layout import RouterLayout, expert_counts_LE
 
 _log = logging.getLogger(__name__)
 
@@ -37,6 +39,15 @@ class RankSpec:
     master_addr: str
     master_port: int
     num_threads: int = 1
+
+
+@dataclass(frozen=True)
+class OldLogprobsReport:
+    """What a rank reports after computing the old log-probs: the rollout/trainer mismatch of the whole batch
+    (rank 0; empty elsewhere) and, when it recorded the routing (R2), its expert loads [M, L, E]."""
+
+    metrics: dict[str, float]
+    counts_MLE: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,7 @@ class TrainerWorker:
             seed=seed,
             optimizer="none" if spec.role == "reference" else "auto",
         )
+        self._staged: list[TrainBatch] | None = None
         self.executor = None
         if relibra is not None:
             from relibra.executor.executor import ExpertExecutor
@@ -124,16 +136,55 @@ class TrainerWorker:
         )
         return [to_device(o, torch.device("cpu")) for o in outs]
 
+    def stage(self, batches: Sequence[TrainBatch]) -> None:
+        """Keep this step's micro-batches on the rank: the old log-probs, the reference log-probs and the update
+        then work on them without the batches travelling again."""
+        _replayed(batches)
+        self._staged = list(batches)
+
+    def old_logprobs(self, record_routing: bool = False) -> OldLogprobsReport:
+        """The pre-update log-probs of the staged batches, stored in them (with R2, the experts the router chose,
+        which the update replays). Rank 0 returns the rollout/trainer mismatch of the whole batch (every rank's
+        tokens, gathered in rank order); with `record_routing` each rank returns its expert loads."""
+        batches = self._staged_batches()
+        outs = self.forward(batches, record_routing=record_routing)
+        store_old_logprobs(batches, outs, take_routing=record_routing)
+        world = self.engine.groups.world
+        parts: list | None = [None] * dist.get_world_size(world) if self.spec.rank == 0 else None
+        dist.gather_object(mismatch_inputs(batches), parts, dst=dist.get_global_rank(world, 0), group=world)
+        metrics = rollout_mismatch(parts) if parts is not None else {}
+        loads = self._expert_counts(batches) if record_routing else None
+        return OldLogprobsReport(metrics=metrics, counts_MLE=loads)
+
+    def ref_logprobs(self, outs: Sequence[ForwardOutput]) -> None:
+        """The reference policy's log-probs of the staged batches (its forward on the same micro-batches)."""
+        store_ref_logprobs(self._staged_batches(), outs)
+
+    def _expert_counts(self, batches: list[TrainBatch]) -> np.ndarray:
+        """[M, L, E]: this rank's (token, top-k) pairs per expert, on the shapes the engine runs (padding
+        included), from the routing the batches replay."""
+        num_experts = self.engine.model_cfg.num_experts
+        shapes = self.engine.run_shapes(batches)
+        return np.stack([expert_counts_LE(b, s, num_experts) for b, s in zip(batches, shapes, strict=True)])
+
+    def _staged_batches(self) -> list[TrainBatch]:
+        if self._staged is None:
+            raise RuntimeError(
+                f"{self.spec.role} rank {self.spec.rank}: no micro-batches staged for this step"
+            )
+        return self._staged
+
     def train(
         self,
-        batches: Sequence[TrainBatch],
         objective: Callable[[ForwardOutput, TrainBatch], LossOutput],
         plan: Plan | None = None,
         loads_MLSE: np.ndarray | None = None,
     ) -> StepResult:
-        """One optimizer step; with a ReLibra `plan`, the experts are placed and replicated by it meanwhile."""
+        """One optimizer step on the staged batches (released afterwards); with a ReLibra `plan`, the experts are
+        placed and replicated by it meanwhile."""
         self._awake()
-        batches, replay = list(batches), _replayed(batches)
+        batches, self._staged = self._staged_batches(), None
+        replay = _replayed(batches)
         use_plan = plan is not None and self.executor is not None
         applied = use_plan and self._begin_plan(plan, loads_MLSE, len(batches))
         try:

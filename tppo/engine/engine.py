@@ -356,8 +356,12 @@ class MegatronEngine:
             batch = to_device(batch, self.groups.device)
             batch.payload = to_device(batch.payload, self.groups.device)
             ready.append(batch)
-        shapes = self._align_over_ep([self.router_layout.padded(b.shape) for b in ready])
-        return [self._micro_batch(b, shape, record) for b, shape in zip(ready, shapes)]
+        return [self._micro_batch(b, shape, record) for b, shape in zip(ready, self.run_shapes(ready))]
+
+    def run_shapes(self, batches: Sequence[TrainBatch]) -> list[tuple[int, int]]:
+        """The (rows, tokens) each micro-batch runs as, padding included (`router_layout`). A collective over the
+        EP group: every rank of it must call this with its own batches."""
+        return self._align_over_ep([self.router_layout.padded(b.shape) for b in batches])
 
     def _align_over_ep(self, shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Every MoE layer communicates over the EP group: ranks must run the same number of micro-batches,

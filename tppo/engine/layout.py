@@ -11,6 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import torch
+
+from tppo.engine.batch import TrainBatch, replayed_ids
+
 
 @dataclass(frozen=True)
 class RouterLayout:
@@ -50,3 +55,14 @@ def router_shapes(
 def group_max(shapes: Sequence[tuple[int, int]]) -> tuple[int, int]:
     """The shape every rank of an aligned EP group runs: the largest rows and the largest tokens."""
     return max(s[0] for s in shapes), max(s[1] for s in shapes)
+
+
+def expert_counts_LE(batch: TrainBatch, shape: tuple[int, int], num_experts: int) -> np.ndarray:
+    """[L, E]: the (token, top-k) pairs a micro-batch run as `shape` sends to each expert of each MoE layer,
+    padding included (tppo.engine.batch.replayed_ids): exactly what the experts compute."""
+    ids_NLK = replayed_ids(batch.routed_experts_BTLK, batch.valid_BT(), shape, num_experts).flatten(0, 1)
+    num_layers = ids_NLK.shape[1]
+    out = np.zeros((num_layers, num_experts), dtype=np.int64)
+    for layer in range(num_layers):
+        out[layer] = torch.bincount(ids_NLK[:, layer].reshape(-1), minlength=num_experts).numpy()
+    return out

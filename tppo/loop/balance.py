@@ -15,11 +15,12 @@ Legend: M micro-batches, L MoE layers, S source (EP) ranks, E experts, B rows, T
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-import torch
 
 from relibra.config import RelibraConfig
 from relibra.cost_model import CostModel, step_cost
@@ -28,9 +29,9 @@ from relibra.planners import PARALLEL_PLANNERS, PlanContext, run_planner
 from relibra.planners.parallel import start_workers
 from tppo.cluster.workers import ExecutorSpec
 from tppo.config import ExperimentConfig
-from tppo.engine.batch import TrainBatch, replayed_ids
+from tppo.engine.batch import TrainBatch
 from tppo.engine.config import ModelConfig
-from tppo.engine.layout import RouterLayout, router_shapes
+from tppo.engine.layout import RouterLayout, expert_counts_LE, router_shapes
 
 
 def relibra_applies(cfg: ExperimentConfig) -> bool:
@@ -51,18 +52,22 @@ def executor_spec(cfg: ExperimentConfig) -> ExecutorSpec | None:
 
 def loads_from_batches(batches: list[list[TrainBatch]], layout: RouterLayout, num_experts: int) -> np.ndarray:
     """D[m, l, s, e]: the (token, top-k) pairs the routers of rank r (source s = r mod EP) send to expert e in
-    micro-batch m, padding included (tppo.engine.batch.replayed_ids): exactly what the experts compute."""
-    num_mb = len(batches[0])
-    num_layers = int(batches[0][0].routed_experts_BTLK.shape[2])
-    loads = np.zeros((num_mb, num_layers, layout.ep, num_experts), dtype=np.int64)
+    micro-batch m, padding included, on the shapes the engine runs (tppo.engine.layout)."""
     run_shapes = router_shapes([[b.shape for b in rank] for rank in batches], layout)
-    for r, (rank_batches, shapes) in enumerate(zip(batches, run_shapes, strict=True)):
-        for m, (b, shape) in enumerate(zip(rank_batches, shapes, strict=True)):
-            ids_NLK = replayed_ids(b.routed_experts_BTLK, b.valid_BT(), shape, num_experts).flatten(0, 1)
-            for layer in range(num_layers):
-                loads[m, layer, r % layout.ep] += torch.bincount(
-                    ids_NLK[:, layer].reshape(-1), minlength=num_experts
-                ).numpy()
+    counts = [
+        np.stack([expert_counts_LE(b, shape, num_experts) for b, shape in zip(rank, shapes, strict=True)])
+        for rank, shapes in zip(batches, run_shapes, strict=True)
+    ]
+    return loads_from_ranks(counts, layout.ep)
+
+
+def loads_from_ranks(counts_MLE: Sequence[np.ndarray], ep: int) -> np.ndarray:
+    """D[m, l, s, e] from each rank's own counts [M, L, E] (rank r routes as source s = r mod EP; the copies of
+    the EP group add up)."""
+    num_mb, num_layers, num_experts = counts_MLE[0].shape
+    loads = np.zeros((num_mb, num_layers, ep, num_experts), dtype=np.int64)
+    for r, counts in enumerate(counts_MLE):
+        loads[:, :, r % ep] += counts
     return loads
 
 
@@ -107,7 +112,10 @@ class LoadPlanner:
         """Plan in the background, on one thread so that steps plan in order, while the driver waits for the
         critic update and the old log-probs (the plan is needed only by the policy update). The routing is read
         here, so the batches may change once this returns; `refused` must wait for the result."""
-        loads = loads_from_batches(batches, self.layout, self.num_experts)
+        return self.start_loads(loads_from_batches(batches, self.layout, self.num_experts))
+
+    def start_loads(self, loads: np.ndarray) -> Future[StepPlan]:
+        """`start` from the step's load tensor D[m, l, s, e] (counted where the routing is: R2 on the ranks)."""
         per_expert = loads.sum(axis=(0, 2))
         self.expert_load_LE = per_expert if self.expert_load_LE is None else self.expert_load_LE + per_expert
         return self._thread.submit(self._plan, loads)
@@ -140,6 +148,13 @@ class LoadPlanner:
             "relibra/replicas_per_mb_layer": _replicas(plan),
         }
         return StepPlan(plan, loads, out)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The placement the planner continues from and the routed load so far (the report's expert load)."""
+        return {"state": self.state, "expert_load_LE": self.expert_load_LE}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state, self.expert_load_LE = state["state"], state["expert_load_LE"]
 
     def refused(self) -> None:
         """The trainer could not apply the last plan: its placement did not change, so neither does ours."""

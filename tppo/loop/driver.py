@@ -25,8 +25,6 @@ from tppo.algo.stages import (
     PhaseTimer,
     Verifier,
     advantages,
-    fill_old_logprobs,
-    fill_ref_logprobs,
     request_seed,
     rollout_metrics,
     score_finished,
@@ -37,7 +35,7 @@ from tppo.algo.stages import (
 from tppo.cluster.roles import RankBatches, Rollout, Trainer
 from tppo.config import ExperimentConfig
 from tppo.engine.batch import StepResult
-from tppo.loop.balance import LoadPlanner, StepPlan
+from tppo.loop.balance import LoadPlanner, StepPlan, loads_from_ranks
 
 
 @dataclass
@@ -137,20 +135,22 @@ def update_policy(
 ) -> dict[str, float]:
     """Old (and reference) log-probs, then the policy update under ReLibra's plan when there is one."""
     with timer("old_logprobs"):
+        roles.policy.stage(policy_in)  # the ranks keep the step's micro-batches until the update
         # R2: the trainer's own pass records the experts the update then replays.
         record = cfg.algo.routing_replay == "r2"
-        metrics = fill_old_logprobs(policy_in, roles.policy.forward(policy_in, record_routing=record), record)
-    if record:
-        planning = start_plan(roles, policy_in)
+        old = roles.policy.old_logprobs(record_routing=record)
+        metrics = dict(old.metrics)
+    if record and roles.planner is not None:
+        planning = roles.planner.start_loads(loads_from_ranks(old.counts_MLE, roles.planner.layout.ep))
     if roles.reference is not None:
         with timer("ref_logprobs"):
-            fill_ref_logprobs(policy_in, roles.reference.forward(policy_in))
+            roles.policy.ref_logprobs(roles.reference.forward(policy_in))
     step_plan = finish_plan(planning, timer)
     plan = step_plan.plan if step_plan is not None else None
     with timer("policy_update"):
         objective = policy_objective(cfg.algo, policy_in)
         loads = step_plan.loads_MLSE if plan is not None else None
-        result = roles.policy.train(policy_in, objective, plan, loads)
+        result = roles.policy.train(None, objective, plan, loads)
         metrics |= step_metrics("tppo", result)
     if step_plan is not None:
         metrics |= step_plan.metrics

@@ -2,13 +2,51 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+# The per-step series the report keeps: (its name, the step metric it reads).
+SERIES = (
+    ("reward", "rollout/reward_mean"),
+    ("length", "rollout/length_mean"),
+    ("multi_window", "rollout/multi_window_fraction"),
+    ("tokens_per_s", "rollout/tokens_per_s"),
+    ("skew_static", "relibra/skew_static"),
+    ("skew_planned", "relibra/skew_planned"),
+    ("skew_executed", "relibra/exec_skew_measured"),
+)
 
-def summarize(history: dict[str, list[float]]) -> dict[str, Any]:
+
+@dataclass
+class History:
+    """What the end-of-run report needs from the steps: a few metrics per step (NaN where a step had none) and
+    the warm start's NLL per supervised step. Checkpointed with the run, so a resumed run reports every step."""
+
+    series: dict[str, list[float]] = field(default_factory=dict)
+    warm_start_nll: list[float] = field(default_factory=list)
+
+    def remember(self, metrics: dict[str, float]) -> None:
+        for key, metric in SERIES:
+            self.series.setdefault(key, []).append(metrics.get(metric, float("nan")))
+
+    def get(self, key: str) -> list[float]:
+        return self.series.get(key, [])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "series": {k: list(v) for k, v in self.series.items()},
+            "warm_start_nll": list(self.warm_start_nll),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.series = {k: list(v) for k, v in state["series"].items()}
+        self.warm_start_nll = list(state["warm_start_nll"])
+
+
+def summarize(history: History) -> dict[str, Any]:
     """Means over the first and last 20% of steps (reward), and over the run (the rest).
 
     truncated_fraction: the share of finished responses that T-PPO cut at least once (they needed more than
@@ -16,11 +54,11 @@ def summarize(history: dict[str, list[float]]) -> dict[str, Any]:
     the ReLibra plan (both priced by the simulator on the exact loads) and as the executor measured it in the
     policy update (every pair the experts computed, padding included).
     """
-    rewards = np.asarray(history.get("reward", []), dtype=float)
+    rewards = np.asarray(history.get("reward"), dtype=float)
     k = max(1, len(rewards) // 5)
 
     def mean(key: str, values: np.ndarray | None = None) -> float:
-        arr = np.asarray(history.get(key, []), dtype=float) if values is None else values
+        arr = np.asarray(history.get(key), dtype=float) if values is None else values
         finite = arr[np.isfinite(arr)]
         return float(finite.mean()) if finite.size else float("nan")
 
@@ -36,9 +74,7 @@ def summarize(history: dict[str, list[float]]) -> dict[str, Any]:
     }
 
 
-def write_plots(
-    out_dir: str | Path, history: dict[str, list[float]], expert_load_LE: np.ndarray | None
-) -> list[Path]:
+def write_plots(out_dir: str | Path, history: History, expert_load_LE: np.ndarray | None) -> list[Path]:
     """reward.png, length.png and (with routing) expert_load.png in `out_dir`; returns the files written."""
     import matplotlib
 
@@ -51,7 +87,7 @@ def write_plots(
         ("reward", "Mean reward of finished responses", "reward"),
         ("length", "Mean length of finished responses", "tokens"),
     ):
-        values = np.asarray(history.get(key, []), dtype=float)
+        values = np.asarray(history.get(key), dtype=float)
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(np.arange(len(values)), values, ".", alpha=0.4, label="per step")
         if len(values) >= 5:

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import random
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from tppo.algo.batching import place, policy_batch, split_for_ranks
 from tppo.algo.objectives import supervised_objective
 from tppo.algo.pool import Sample, SamplePool
 from tppo.base import checkpoint
+from tppo.base.checkpoint import Stateful
 from tppo.base.metrics import MetricsLogger, progress
 from tppo.cluster.placement import Reservation, reserve
 from tppo.cluster.roles import RoleError, Rollout, Trainer, start_rollout, start_trainers
@@ -31,7 +33,7 @@ from tppo.engine.config import ParallelConfig
 from tppo.eval.periodic import LoopEval, due, prepare_loop_eval, run_loop_eval
 from tppo.loop.balance import LoadPlanner, executor_spec, relibra_applies
 from tppo.loop.driver import Roles, offload_trainers, rl_step
-from tppo.loop.report import summarize, write_plots
+from tppo.loop.report import History, summarize, write_plots
 from tppo.loop.tasks import Task, build_task
 
 
@@ -88,40 +90,47 @@ def _sft_batch(samples, filler):
     return batch
 
 
-def _save(cfg: ExperimentConfig, roles: Roles, pool: SamplePool, step: int, history: dict[str, Any]) -> None:
+@dataclass
+class DriverState:
+    """What the driver checkpoints besides the ranks' shards: the pool (with every in-flight response and the
+    data position), the report's history, the RNG states and, with ReLibra, the planner's placement."""
+
+    pool: SamplePool
+    history: History
+    planner: LoadPlanner | None
+    rng: checkpoint.RngState = field(default_factory=checkpoint.RngState)
+
+    def parts(self) -> dict[str, Stateful]:
+        parts: dict[str, Stateful] = {"pool": self.pool, "history": self.history, "rng": self.rng}
+        if self.planner is not None:
+            parts["planner"] = self.planner
+        return parts
+
+
+def _save(cfg: ExperimentConfig, roles: Roles, step: int, state: DriverState) -> None:
     ckpt = checkpoint.begin(run_dir(cfg) / "checkpoints", step)
     for role, trainer in (("policy", roles.policy), ("critic", roles.critic)):
         trainer.save([ckpt.shard(role, r) for r in range(trainer.ranks.size)])
     # The policy also in Hugging Face form (logical expert order), for evaluation and serving.
     roles.policy.export_hf(ckpt.tmp / checkpoint.POLICY_HF)
-    state = {
-        "step": step,
-        "pool": pool.state_dict(),
-        "history": history,
-        "planner": roles.planner.state if roles.planner is not None else None,
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-        "torch": torch.get_rng_state(),
-    }
-    checkpoint.save_file(state, ckpt.tmp / "driver.pt")
+    saved = {"step": step} | {name: part.state_dict() for name, part in state.parts().items()}
+    checkpoint.save_file(saved, ckpt.tmp / "driver.pt")
     checkpoint.commit(ckpt, cfg.run.keep_checkpoints)
 
 
-def _resume(cfg: ExperimentConfig, roles: Roles, pool: SamplePool) -> tuple[int, dict[str, Any]] | None:
+def _resume(cfg: ExperimentConfig, roles: Roles, state: DriverState) -> int | None:
+    """The step of the last complete checkpoint, with every shard and driver state loaded from it (None: none)."""
     last = checkpoint.latest(run_dir(cfg) / "checkpoints")
     if last is None:
         return None
     for role, trainer in (("policy", roles.policy), ("critic", roles.critic)):
         trainer.load([last / f"{role}_rank{r}.pt" for r in range(trainer.ranks.size)])
-    state = checkpoint.load_file(last / "driver.pt")
-    pool.load_state_dict(state["pool"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if roles.planner is not None and state["planner"] is not None:
-        roles.planner.state = state["planner"]
-        roles.planner.expert_load_LE = state["history"].get("expert_load")
-    return state["step"], state["history"]
+    saved = checkpoint.load_file(last / "driver.pt")
+    for name, part in state.parts().items():
+        # A run whose planner was off when it saved continues with a fresh one.
+        if name in saved:
+            part.load_state_dict(saved[name])
+    return saved["step"]
 
 
 def train(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -139,12 +148,13 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
     with ray_session(cfg.cluster), reserve(cfg.cluster, reference_ranks) as placement:
         roles = _start_roles(cfg, placement)
         pool = SamplePool.from_config(cfg.algo, task.dataset, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
-        resumed = _resume(cfg, roles, pool)
-        start, history = (resumed[0] + 1, resumed[1]) if resumed else (0, {})
-        if not resumed:
-            history["warm_start_nll"] = warm_start(cfg, task, roles.policy)
+        state = DriverState(pool, History(), roles.planner)
+        resumed = _resume(cfg, roles, state)
+        start = 0 if resumed is None else resumed + 1
+        if resumed is None:
+            state.history.warm_start_nll = warm_start(cfg, task, roles.policy)
         if roles.reference is not None:
-            _freeze_reference(cfg, roles, fresh=not resumed)
+            _freeze_reference(cfg, roles, fresh=resumed is None)
         # The rollout engine starts from the policy's current weights (warm-started or resumed).
         roles.policy.export_hf(out / "rollout_init")
         if cfg.cluster.time_shared:  # the engine sizes its KV cache from the free memory it finds
@@ -155,16 +165,17 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
             cfg.logging,
             cfg.run.name,
             dataclasses.asdict(cfg),
-            resume_step=resumed[0] if resumed else None,
+            resume_step=resumed,
         ) as logger:
             try:
-                _loop(cfg, roles, pool, task, logger, history, start, loop_eval)
+                _loop(cfg, roles, state, task, logger, start, loop_eval)
             except RoleError as err:
                 last = checkpoint.latest(out / "checkpoints")
                 where = f"the last complete checkpoint is {last}" if last else "no checkpoint was written yet"
                 raise RoleError(f"{err}\n{where}; re-run the same command to resume") from err
-            summary = summarize(history)
-            write_plots(out, history, history.get("expert_load"))
+            summary = summarize(state.history)
+            expert_load = roles.planner.expert_load_LE if roles.planner is not None else None
+            write_plots(out, state.history, expert_load)
             logger.summary(summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -173,10 +184,9 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
 def _loop(
     cfg: ExperimentConfig,
     roles: Roles,
-    pool: SamplePool,
+    state: DriverState,
     task: Task,
     logger: MetricsLogger,
-    history: dict[str, Any],
     start: int,
     loop_eval: LoopEval | None = None,
 ) -> None:
@@ -184,17 +194,15 @@ def _loop(
     for step in progress(
         steps, total=cfg.run.num_steps, initial=start, desc="T-PPO", enabled=cfg.logging.progress
     ):
-        metrics = rl_step(step, cfg, pool, roles, task.verifier, task.stop_token_ids)
-        _remember(history, metrics)
-        if roles.planner is not None:
-            history["expert_load"] = roles.planner.expert_load_LE
+        metrics = rl_step(step, cfg, state.pool, roles, task.verifier, task.stop_token_ids)
+        state.history.remember(metrics)
         if loop_eval is not None and due(cfg.run.eval_every, step):
             t0 = time.perf_counter()
             metrics |= run_loop_eval(loop_eval, roles.rollout, run_dir(cfg), step)
             metrics["perf/eval_s"] = time.perf_counter() - t0
         logger.log(metrics, step=step)
         if (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0) or step + 1 == cfg.run.num_steps:
-            _save(cfg, roles, pool, step, history)
+            _save(cfg, roles, step, state)
 
 
 def _start_roles(cfg: ExperimentConfig, placement: Reservation) -> Roles:
@@ -239,16 +247,3 @@ def _freeze_reference(cfg: ExperimentConfig, roles: Roles, fresh: bool) -> None:
             f"algo.kl_coef={cfg.algo.kl_coef} but the reference policy of this run is missing from {folder}"
         )
     roles.reference.load(shards)
-
-
-def _remember(history: dict[str, Any], m: dict[str, float]) -> None:
-    for key, metric in (
-        ("reward", "rollout/reward_mean"),
-        ("length", "rollout/length_mean"),
-        ("multi_window", "rollout/multi_window_fraction"),
-        ("tokens_per_s", "rollout/tokens_per_s"),
-        ("skew_static", "relibra/skew_static"),
-        ("skew_planned", "relibra/skew_planned"),
-        ("skew_executed", "relibra/exec_skew_measured"),
-    ):
-        history.setdefault(key, []).append(m.get(metric, float("nan")))

@@ -1,4 +1,5 @@
-"""Roles on Ray: a dead actor is a clear error naming the role; a non-finite loss skips the update."""
+"""Roles on Ray: a dead actor is a clear error naming the role; a non-finite loss skips the update; the old
+log-probs stay on the ranks."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tppo.algo.objectives import value_objective
+from tppo.algo.objectives import SupervisedObjective, value_objective
 from tppo.algo.pool import Sample
 from tppo.cluster.config import ClusterConfig
 from tppo.cluster.roles import RankGroup, RoleError, Trainer, start_trainers
@@ -17,6 +18,7 @@ from tppo.cluster.session import ray_session
 from tppo.config import ExperimentConfig
 from tppo.engine.batch import LossOutput
 from tppo.engine.config import ParallelConfig
+from tppo.loop.balance import loads_from_batches, loads_from_ranks
 
 pytestmark = [pytest.mark.dist]
 
@@ -88,3 +90,48 @@ def test_a_rank_holding_only_filler_rows_trains_without_hanging(monkeypatch):
         assert batches[1][0].payload.mask_BT.sum() == 0  # the filler
         result = critic.train(batches, value_objective(cfg.algo, batches))
         assert not result.skipped and result.grad_norm > 0
+
+
+@pytest.mark.slow
+def test_old_logprobs_stay_on_the_ranks_and_only_metrics_and_loads_come_back():
+    """Two expert-parallel policy ranks record their routing (R2) while computing the old log-probs of staged
+    micro-batches: the mismatch equals a NumPy reference over the same forward's log-probs, the per-rank expert
+    counts equal the driver's count of the recorded routing on the engine's padded shapes, and the update then
+    trains on the staged batches (which it releases)."""
+    cfg = ExperimentConfig()
+    parallel = ParallelConfig(expert_parallel=2, micro_batch_size=2)
+    rng = np.random.default_rng(0)
+    samples = []
+    for i, n in enumerate((3, 5, 2, 4, 6)):
+        s = Sample(
+            uid=str(i), group_id=0, prompt_uid="p", prompt_ids=rng.integers(1, 60, 3), max_response_length=8
+        )
+        s.max_new_tokens = n
+        s.add_window(rng.integers(1, 60, n), rng.normal(-2.0, 0.5, n))
+        samples.append(s)
+    with ray_session(ClusterConfig(object_store_mb=100, cpus_per_node=2)):
+        group = start_trainers("policy", cfg.model, parallel, cfg.algo.actor_optim, 2, seed=0, total_steps=4)
+        policy = Trainer(group, micro_batch_size=2, routing=False)
+        batches = policy.policy_batches(samples, [np.zeros(n) for n in (3, 5, 2, 4, 6)])
+        reference = policy.forward(batches, record_routing=True)
+        policy.stage(batches)
+        old = policy.old_logprobs(record_routing=True)
+        layout = policy.router_layout()
+        result = policy.train(None, SupervisedObjective(num_tokens=20))
+        with pytest.raises(RoleError, match="no micro-batches staged"):
+            policy.train(None, SupervisedObjective(num_tokens=20))
+    diffs, window = [], []
+    for rank_batches, rank_outs in zip(batches, reference):
+        for b, out in zip(rank_batches, rank_outs):
+            mask = b.payload.window_mask_BT.numpy() > 0
+            diff = np.clip(out.logprobs_BT.numpy() - b.payload.rollout_logprobs_BT.numpy(), -20, 20)
+            diffs.append(np.abs(diff[mask]))
+            window.append(mask.sum())
+            b.routed_experts_BTLK = out.routed_experts_BTLK
+    all_diffs = np.concatenate(diffs)
+    assert sum(window) == 20
+    assert old.metrics["mismatch/abs_diff"] == pytest.approx(all_diffs.mean(), rel=1e-5)
+    assert old.metrics["mismatch/abs_diff_max"] == pytest.approx(all_diffs.max(), rel=1e-5)
+    expected = loads_from_batches(batches, layout, cfg.model.num_experts)
+    np.testing.assert_array_equal(loads_from_ranks(old.counts_MLE, layout.ep), expected)
+    assert expected.sum() > 0 and not result.skipped
