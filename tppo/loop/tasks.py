@@ -27,7 +27,6 @@ there, as the loop would cut a response.
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,9 +54,6 @@ TURN_END_MARKERS = (
     "<｜end▁of▁sentence｜>",
     "</s>",
 )
-# The default math-verify pool is one object with no lock of its own; the loop may abandon a verifier stuck past
-# `data.reward_timeout_s` in its thread and go on in a new one, so calls into the pool are serialised here.
-_REWARD_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -143,24 +139,17 @@ def outcome_reward(score: float) -> float:
 @dataclass(frozen=True)
 class OutcomeVerifier:
     """Scores a finished sample: decode its response, score it against the sample's reference answer with the
-    registered reward function, map to +1 / -1 (`outcome_reward`). Raises TimeoutError when another call holds
-    the reward pool past `lock_timeout_s` (the loop counts it as a failed verification)."""
+    registered reward function, map to +1 / -1 (`outcome_reward`). Safe from any thread: a verification the loop
+    abandoned past `data.reward_timeout_s` does not hold up the next ones."""
 
     tokenizer: Tokenizer
     reward: str
-    lock_timeout_s: float
 
     def text(self, sample: Sample) -> str:
         return decode_response(self.tokenizer, sample.response_ids.tolist())[0]
 
     def __call__(self, sample: Sample) -> float:
-        text = self.text(sample)
-        if not _REWARD_LOCK.acquire(timeout=self.lock_timeout_s):
-            raise TimeoutError(f"the {self.reward!r} reward pool stayed busy for {self.lock_timeout_s} s")
-        try:
-            score = REWARDS.get(self.reward)([text], [sample.answer])[0]
-        finally:
-            _REWARD_LOCK.release()
+        score = REWARDS.get(self.reward)([self.text(sample)], [sample.answer])[0]
         return outcome_reward(score)
 
 
@@ -263,7 +252,7 @@ def _math_task(cfg: ExperimentConfig) -> Task:
         demonstrate = Demonstrations(solutions, tokenizer, cfg.algo.max_response_length)
     return Task(
         dataset=MathDataset(records),
-        verifier=OutcomeVerifier(tokenizer, d.reward, lock_timeout_s=d.reward_timeout_s),
+        verifier=OutcomeVerifier(tokenizer, d.reward),
         stop_token_ids=tokenizer_stop_ids(tokenizer),
         demonstrate=demonstrate,
         vocab_size=tokenizer.vocab_size,

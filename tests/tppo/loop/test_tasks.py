@@ -146,22 +146,20 @@ def test_gsm8k_demonstrations_are_verified_correct_and_end_with_eos(gsm8k_task, 
 
 
 @needs_data
-def test_a_busy_reward_pool_is_a_counted_failure_not_a_hang(gsm8k_task, qwen):
-    import tppo.loop.tasks
-
-    verifier = dataclasses.replace(gsm8k_task.verifier, lock_timeout_s=0.2)
+@pytest.mark.timeout(120)
+def test_a_verification_the_loop_abandoned_does_not_hold_up_the_next(gsm8k_task, qwen):
+    """A response sympy cannot finish (the math pool's own limit is 5 s) runs past the loop's limit: it counts as a
+    timeout and scores -1, and the loop's next correct sample scores +1 while the abandoned one still runs."""
     p = gsm8k_task.dataset[0]
-    sample = _finished(p, qwen.encode(f"\\boxed{{{p.answer}}}") + [IM_END])
-    start = time.monotonic()
-    with tppo.loop.tasks._REWARD_LOCK:  # an abandoned verification still holds the pool
-        counts = score_finished([sample], verifier, timeout_s=30.0)
-    assert time.monotonic() - start < 10.0  # gave up after lock_timeout_s, not the loop's 30 s
-    # the verifier's TimeoutError is Python's, which the loop counts as a timeout
+    stuck = _finished(p, qwen.encode("\\boxed{9^{9^{9^{9^{9}}}}}") + [IM_END])
+    counts = score_finished([stuck], gsm8k_task.verifier, timeout_s=0.5)
     assert counts == {"rollout/reward_failures": 0.0, "rollout/reward_timeouts": 1.0}
-    assert sample.reward == -1.0
-    sample.reward = None
-    score_finished([sample], verifier)  # free again: scored normally
-    assert sample.reward == 1.0
+    assert stuck.reward == -1.0
+    right = _finished(p, qwen.encode(f"\\boxed{{{p.answer}}}") + [IM_END])
+    start = time.monotonic()
+    assert score_finished([right], gsm8k_task.verifier, timeout_s=30.0)["rollout/reward_timeouts"] == 0.0
+    assert right.reward == 1.0
+    assert time.monotonic() - start < 20.0
 
 
 def test_gsm8k_demonstration_drops_calculator_annotations_and_the_answer_line():
