@@ -36,7 +36,12 @@ class RunConfig:
     save_every: int = spec(0, ge=0, help="checkpoint every N steps; 0 only at the end")
     keep_checkpoints: int = spec(2, ge=1)
     eval_every: int = spec(0, ge=0)
-    device: str = spec("auto", choices=("auto", "cpu", "cuda"))
+    device: str = spec(
+        "auto",
+        choices=("auto", "cuda"),
+        help="cuda: the experiment needs GPUs (validated here; recipes.submit refuses a job without them); the roles "
+        "run on GPUs exactly when cluster.gpus_per_node >= 1",
+    )
 
 
 @dataclass

@@ -34,16 +34,13 @@ relaxation pass is ours too (measured: one greedy pass left 56% of the (m, l, no
 the slack sat on GPUs whose slots were full; intra-node compute skew 1.039 -> 1.013 with it). So are the bottleneck
 floors (`bottleneck_floors`): a node is levelled only down to the slowest node's compute target and, for NIC
 receives, to the busiest source's sends, which no copy can lower; below that a move cannot shorten the step
-(measured on the generator: MoE time / ideal 1.124 -> 1.120 at EP 32, 1.055 -> 1.053 at EP 16, since NIC moves no
-longer squeeze compute room where the receive side is not the bottleneck). NIC moves used to stop where the
-destination's compute reached the node's maximum, and the relaxation moved near pairs only; then a GPU filled by a
-NIC move (its copy all far pairs) stayed above its compute target, and the NIC loads stayed where the first moves
-left them (the all-to-all 1.4% above the placement floor's at EP 32, half of the cells' receives > 1% above it).
-Measured on two generator steps at EP 32 (seed 0), MoE time / ideal and mean skew: 1.104 / 1.085 before; NIC moves
-uncapped 1.099 / 1.085; + far pairs in the relaxation's compute levelling 1.098 / 1.082; + its NIC levelling 1.095 /
-1.082; 3 relaxation rounds after the last pass instead of 1: 1.095 / 1.079 (all-to-all 0.3% above the floor's).
-Planning a step costs ~0.05-0.1 s more at EP 32 (one thread; ~0.5 s more under pxn routing, whose four far classes
-leave every problem with a NIC load above target, so the relaxation works on all of them).
+(measured on the generator: MoE time / ideal 1.124 -> 1.120 at EP 32, 1.055 -> 1.053 at EP 16, as NIC moves stop
+squeezing compute room where the receive side is not the bottleneck). NIC moves are not capped at the node's
+compute maximum, and the relaxation moves far pairs too and levels owner/copy NIC loads at equal compute, for three
+rounds after the last pass: otherwise a GPU filled by a NIC move (its copy all far pairs) stays above its compute
+target and the NIC loads stay where the first moves left them (bench/RESULTS.md, session 21, has the measurements).
+Planning a step costs ~0.05-0.1 s more for it at EP 32 (one thread; ~0.5 s more under pxn routing, whose four far
+classes leave every problem with a NIC load above target, so the relaxation works on all of them).
 
 Routing (`relibra.cost_model`, `nic_routing`): the above is for direct routing. Under pxn only the two dispatch-like
 all-to-alls see where a far pair is served (kappa halves), and a source's sends stop bounding a GPU's receive (they

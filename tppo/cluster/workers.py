@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from relibra.plan import Plan
+from relibra.plan import Plan, Topology
 from relibra.validate import PlanError
 from tppo.algo.stages import mismatch_inputs, rollout_mismatch, store_old_logprobs, store_ref_logprobs
 from tppo.engine.batch import ForwardOutput, LossOutput, StepResult, TrainBatch, to_device
@@ -52,11 +52,10 @@ class OldLogprobsReport:
 
 @dataclass(frozen=True)
 class ExecutorSpec:
-    """The policy ranks' ReLibra executor: replica slots per rank, the node size (replicas stay inside) and the
-    receive buffers of a migration's optimizer state."""
+    """The policy ranks' ReLibra executor: the topology the driver's planner plans for (EP group, node size,
+    replica slots per rank) and the receive buffers of a migration's optimizer state."""
 
-    replica_slots: int
-    gpus_per_node: int
+    topology: Topology
     state_buffer_mb: int
 
 
@@ -100,12 +99,15 @@ class TrainerWorker:
         if relibra is not None:
             from relibra.executor.executor import ExpertExecutor
 
+            topo = relibra.topology
             self.executor = ExpertExecutor(
                 self.engine,
-                num_replica_slots=relibra.replica_slots,
-                gpus_per_node=relibra.gpus_per_node,
+                num_replica_slots=topo.num_replica_slots,
+                gpus_per_node=topo.gpus_per_node,
                 state_buffer_mb=relibra.state_buffer_mb,
             )
+            if self.executor.topo != topo:
+                raise ValueError(f"the planner's topology {topo} is not this rank's {self.executor.topo}")
 
     def ready(self) -> int:
         return self.spec.rank

@@ -308,7 +308,7 @@ class MegatronEngine:
         # does not use: without this, norms and biases would decay on the GPU (Megatron's groups).
         for group in optimizer.param_groups:
             if "wd_mult" not in group:
-                # Restored from a checkpoint written before wd_mult was kept: 1-D tensors do not decay.
+                # Groups torch's optimizer restores from a state dict carry no wd_mult: 1-D tensors do not decay.
                 group["wd_mult"] = 0.0 if all(p.dim() <= 1 for p in group["params"]) else 1.0
             group["lr"] = lr
             group["weight_decay"] = self.optim_cfg.weight_decay * group["wd_mult"]

@@ -40,13 +40,20 @@ def relibra_applies(cfg: ExperimentConfig) -> bool:
 
 
 def executor_spec(cfg: ExperimentConfig) -> ExecutorSpec | None:
-    """The policy ranks' executor of ReLibra plans, when plans exist."""
+    """The policy ranks' executor of ReLibra plans, when plans exist, on the planner's topology."""
     if not relibra_applies(cfg):
         return None
-    return ExecutorSpec(
-        replica_slots=cfg.relibra.replica_slots,
-        gpus_per_node=cfg.relibra.gpus_per_node,
-        state_buffer_mb=cfg.relibra.state_buffer_mb,
+    topo = relibra_topology(cfg.relibra, cfg.model.num_experts, cfg.parallel.expert_parallel)
+    return ExecutorSpec(topology=topo, state_buffer_mb=cfg.relibra.state_buffer_mb)
+
+
+def relibra_topology(cfg: RelibraConfig, num_experts: int, ep: int) -> Topology:
+    """The expert-parallel group ReLibra plans for and the policy ranks execute on."""
+    return Topology(
+        num_gpus=ep,
+        gpus_per_node=cfg.gpus_per_node,
+        num_experts=num_experts,
+        num_replica_slots=cfg.replica_slots,
     )
 
 
@@ -86,12 +93,7 @@ class LoadPlanner:
 
     def __init__(self, cfg: RelibraConfig, model: ModelConfig, layout: RouterLayout) -> None:
         num_experts = model.num_experts
-        self.topo = Topology(
-            num_gpus=layout.ep,
-            gpus_per_node=cfg.gpus_per_node,
-            num_experts=num_experts,
-            num_replica_slots=cfg.replica_slots,
-        )
+        self.topo = relibra_topology(cfg, num_experts, layout.ep)
         # The cost model's hardware, at the trained model's expert shape (replica pushes, GEMM times, NIC weight).
         cost = CostModel.from_yaml(cfg.cost_model, cfg.nic_routing).for_expert_shape(
             model.hidden_size, model.moe_ffn_hidden_size

@@ -9,7 +9,7 @@ import pytest
 
 from tppo.cluster.config import ClusterConfig
 from tppo.cluster.placement import layout, reserve
-from tppo.cluster.roles import RankGroup, Rollout
+from tppo.cluster.roles import Rollout, start_group
 from tppo.cluster.session import ray_session
 
 
@@ -62,9 +62,10 @@ class _Echo:
 
 @pytest.mark.parametrize(("workers", "requests"), [(1, 5), (3, 7), (4, 2)])
 def test_generation_splits_over_workers_and_keeps_request_order(workers, requests):
-    echoes = [_Echo(f"w{i}") for i in range(workers)]
-    rollout = Rollout(RankGroup("rollout", echoes, remote=False))
+    rollout = Rollout(start_group("rollout", _Echo, [(f"w{i}",) for i in range(workers)], remote=False))
+    echoes = rollout.ranks.handles  # in-process: the workers themselves
     outs = rollout.generate([[i] for i in range(requests)], list(range(requests)))
     assert [(o[1], o[2]) for o in outs] == [(i, i) for i in range(requests)]
     used = {o[0] for o in outs}
     assert len(used) == min(workers, requests)
+    assert sum(e.calls for e in echoes) == workers  # in-process workers, one call each
