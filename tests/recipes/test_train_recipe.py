@@ -139,6 +139,22 @@ def test_kl_penalty_runs_a_frozen_reference_policy(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.dist
+def test_the_trainer_scores_tokens_at_the_rollouts_sampling_temperature(tmp_path):
+    """At rollout.temperature=0.7 the trainer's old log-probs equal the rollout engine's (both of softmax(z / T)):
+    fp32 on CPU, the mismatch is rounding only."""
+    done = _run(
+        _cmd(tmp_path, "t07", "rollout.temperature=0.7", "algo.critic_warmup_steps=0", "run.num_steps=3")
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "t07" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["mismatch/abs_diff"] <= 1e-4, row["mismatch/abs_diff"]
+        assert row["mismatch/abs_diff_max"] <= 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.dist
 def test_bad_override_fails_before_anything_starts(tmp_path):
     result = _run(_cmd(tmp_path, "bad", "algo.window=0"), timeout=120)
     assert result.returncode == 2

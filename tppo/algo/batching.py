@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tppo.algo.advantages import mc_returns
 from tppo.algo.pool import Sample
 from tppo.engine.batch import TrainBatch
 
@@ -132,11 +133,23 @@ def _window_rows(s: Sample, live: bool) -> tuple[np.ndarray, np.ndarray]:
     return window, response
 
 
+def logprob_temperature(sampling_temperature: float) -> float:
+    """The temperature the trainer's log-probs are taken at: the rollout's sampling temperature (its log-probs
+    are of the full tempered distribution), or 1 for greedy sampling (T = 0), which reports log softmax(logits)."""
+    return sampling_temperature if sampling_temperature > 0 else 1.0
+
+
 def policy_batch(
-    samples: Sequence[Sample], filler: Sequence[bool], advantages: Sequence[np.ndarray], routing: bool
+    samples: Sequence[Sample],
+    filler: Sequence[bool],
+    advantages: Sequence[np.ndarray],
+    routing: bool,
+    temperature: float = 1.0,
 ) -> TrainBatch:
-    """A policy micro-batch; `advantages[i]` holds the window tokens' advantages of sample i."""
+    """A policy micro-batch; `advantages[i]` holds the window tokens' advantages of sample i; log-probs at the
+    sampling `temperature` (`logprob_temperature`)."""
     batch, width = _base(samples, routing)
+    batch.temperature = temperature
     windows, responses, adv, rollout = [], [], [], []
     for s, is_filler, a in zip(samples, filler, advantages):
         w, resp = _window_rows(s, not is_filler)
@@ -162,15 +175,19 @@ def policy_batch(
     return batch
 
 
-def critic_batch(samples: Sequence[Sample], filler: Sequence[bool], routing: bool) -> TrainBatch:
-    """A critic micro-batch over finished responses: MC targets R on every response token."""
+def critic_batch(
+    samples: Sequence[Sample], filler: Sequence[bool], routing: bool, gamma: float = 1.0
+) -> TrainBatch:
+    """A critic micro-batch over finished responses: on response token t of a response of n tokens with outcome
+    reward R, the discounted Monte-Carlo return G_t = gamma^(n-1-t) R (`mc_returns`; R on every token at
+    gamma = 1), the target of V(s_t)."""
     batch, width = _base(samples, routing)
     masks, returns, old = [], [], []
     for s, is_filler in zip(samples, filler):
         _, resp = _window_rows(s, not is_filler)
         p = len(s.prompt_ids)
         masks.append(resp)
-        returns.append(resp * float(s.reward or 0.0))
+        returns.append(_mc_targets(s, resp, gamma))
         v = np.zeros_like(resp)
         if s.values is not None:
             v[p : p + len(s.values)] = s.values
@@ -180,6 +197,18 @@ def critic_batch(samples: Sequence[Sample], filler: Sequence[bool], routing: boo
     )
     batch.loss_mask_BT = batch.payload.mask_BT
     return batch
+
+
+def _mc_targets(s: Sample, response_row: np.ndarray, gamma: float) -> np.ndarray:
+    """G_t over the sequence row: the discounted outcome reward on the response tokens, 0 elsewhere."""
+    p, n = len(s.prompt_ids), s.num_response_tokens
+    out = np.zeros_like(response_row)
+    if not response_row.any() or n == 0:
+        return out
+    rewards = torch.zeros(1, n)
+    rewards[0, -1] = float(s.reward or 0.0)
+    out[p : p + n] = mc_returns(rewards, torch.ones(1, n), gamma)[0].numpy()
+    return out
 
 
 def split_for_ranks(

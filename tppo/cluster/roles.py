@@ -11,7 +11,6 @@ run with a message that names the role and rank, never a hang: every remote call
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,12 +105,17 @@ class Rollout:
     ranks: RankGroup
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[Any]:
-        """Generate on every engine at once, each taking a contiguous share of the requests; outputs come back in
-        request order (a request's seed, not its engine, decides what it samples)."""
-        n, size = len(prompts), self.ranks.size
-        bounds = [n * w // size for w in range(size + 1)]
-        shares = [([list(p) for p in prompts[a:b]], list(params[a:b])) for a, b in itertools.pairwise(bounds)]
-        return [out for outs in self.ranks.call(RolloutWorker.generate, shares) for out in outs]
+        """Generate on every engine at once, the requests shared by their expected tokens (`share_by_cost`:
+        prefill + new tokens, so long continuations spread over the engines); outputs come back in request
+        order (a request's seed, not its engine, decides what it samples)."""
+        costs = [len(p) + q.max_new_tokens for p, q in zip(prompts, params, strict=True)]
+        shares = share_by_cost(costs, self.ranks.size)
+        args = [([list(prompts[i]) for i in share], [params[i] for i in share]) for share in shares]
+        outs: list[Any] = [None] * len(prompts)
+        for share, share_outs in zip(shares, self.ranks.call(RolloutWorker.generate, args), strict=True):
+            for i, out in zip(share, share_outs, strict=True):
+                outs[i] = out
+        return outs
 
     def load_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
         self.ranks.call(RolloutWorker.load_weights, None, named_tensors)
@@ -122,6 +126,19 @@ class Rollout:
 
     def info(self) -> list[WorkerInfo]:
         return self.ranks.call(RolloutWorker.info)
+
+
+def share_by_cost(costs: Sequence[int], num_workers: int) -> list[list[int]]:
+    """Request indices per worker, each worker's in request order: longest-processing-time first (the costliest
+    request goes to the worker with the least cost so far), so no worker's total exceeds the mean by more than one
+    request's cost."""
+    totals = [0] * num_workers
+    shares: list[list[int]] = [[] for _ in range(num_workers)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        w = min(range(num_workers), key=lambda w: (totals[w], w))
+        shares[w].append(i)
+        totals[w] += costs[i]
+    return [sorted(share) for share in shares]
 
 
 def start_rollout(
@@ -184,6 +201,9 @@ class Trainer:
     ranks: RankGroup
     micro_batch_size: int
     routing: bool
+    temperature: float = (
+        1.0  # of the policy's log-probs: the rollout's (tppo.algo.batching.logprob_temperature)
+    )
 
     def placement(self, num_samples: int) -> Placement:
         return place(num_samples, self.ranks.size, self.micro_batch_size)
@@ -192,13 +212,17 @@ class Trainer:
         adv = {s.uid: a for s, a in zip(samples, advantages)}
         split = split_for_ranks(samples, self.placement(len(samples)))
         return [
-            [policy_batch(ss, ff, [adv[s.uid] for s in ss], self.routing) for ss, ff in rank]
+            [
+                policy_batch(ss, ff, [adv[s.uid] for s in ss], self.routing, self.temperature)
+                for ss, ff in rank
+            ]
             for rank in split
         ]
 
-    def critic_batches(self, samples: Sequence[Sample]) -> RankBatches:
+    def critic_batches(self, samples: Sequence[Sample], gamma: float = 1.0) -> RankBatches:
+        """The critic's micro-batches, its targets the returns discounted by `gamma`."""
         split = split_for_ranks(samples, self.placement(len(samples)))
-        return [[critic_batch(ss, ff, self.routing) for ss, ff in rank] for rank in split]
+        return [[critic_batch(ss, ff, self.routing, gamma) for ss, ff in rank] for rank in split]
 
     def forward(
         self, batches: RankBatches, with_entropy: bool = False, record_routing: bool = False

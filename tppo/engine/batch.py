@@ -35,6 +35,8 @@ class TrainBatch:
     cu_seqlens: torch.Tensor | None = None  # packed: [num_seqs + 1] cumulative lengths, B must be 1
     routed_experts_BTLK: torch.Tensor | None = None  # replay: top-k expert ids per token and MoE layer
     payload: Any = None  # the caller's own typed record (advantages, old log-probs...) for the loss
+    # Log-probs and entropy are of softmax(logits / temperature): the temperature the tokens were sampled at.
+    temperature: float = 1.0
 
     @property
     def packed(self) -> bool:
@@ -82,6 +84,8 @@ class TrainBatch:
                 f"input_ids_BT must be an integer tensor [B, T], got {getattr(ids, 'shape', type(ids))}"
             )
         b, t = self.shape
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature}: expected > 0 (greedy sampling reports T = 1)")
         for name in ("loss_mask_BT", "attention_mask_BT", "position_ids_BT"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (b, t):

@@ -547,6 +547,7 @@ class MegatronEngine:
             tp_group=self.groups.tp,
             vocab_start=self.groups.tp_rank * v_local,
             with_entropy=with_entropy,
+            temperature=batch.temperature,
         )
         logprobs = torch.zeros(b, t, dtype=torch.float32, device=x.device)
         logprobs[:, 1:] = lp.view(b, t - 1)

@@ -1,7 +1,9 @@
 """Per-token log-probabilities and entropies from (vocabulary-parallel) logits.
 
-With the vocabulary split over tensor-parallel ranks (rank r holds logits z[:, v0:v1]), with
-m = max_v z_v (no gradient), S = sum_v exp(z_v - m) and lse = m + log S:
+The distribution is softmax(logits / T) at the sampling temperature T (the rollout engine reports the log-probs
+of its samples under the same full tempered distribution; T = 1 for greedy requests). With z = logits / T, the
+vocabulary split over tensor-parallel ranks (rank r holds z[:, v0:v1]), m = max_v z_v (no gradient),
+S = sum_v exp(z_v - m) and lse = m + log S:
 
     log p(y) = z_y - lse
     H        = lse - sum_v p_v z_v,        p_v = exp(z_v - lse)
@@ -35,9 +37,13 @@ def token_logprobs_entropy(
     tp_group=None,
     vocab_start: int = 0,
     with_entropy: bool = True,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log p(target), entropy) per token from this rank's slice [vocab_start, vocab_start + V) of the logits."""
-    z_NV = logits_NV.float()
+    """(log p(target), entropy) per token of softmax(logits / temperature), from this rank's slice
+    [vocab_start, vocab_start + V) of the logits."""
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature}: expected > 0 (greedy sampling reports T = 1)")
+    z_NV = logits_NV.float() if temperature == 1.0 else logits_NV.float() / temperature
     tp = tp_group is not None and dist.get_world_size(tp_group) > 1
     with torch.no_grad():
         m_N = z_NV.max(dim=-1).values

@@ -118,7 +118,7 @@ def update_critic(
     if not finished:
         return {}
     with timer("critic_update"):
-        critic_in = critic.critic_batches(finished)
+        critic_in = critic.critic_batches(finished, cfg.algo.gamma)
         metrics = step_metrics("critic", critic.train(critic_in, value_objective(cfg.algo, critic_in)))
     if cfg.cluster.time_shared:
         with timer("offload"):

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tppo.algo.batching import place, policy_batch, split_for_ranks
+from tppo.algo.batching import logprob_temperature, place, policy_batch, split_for_ranks
 from tppo.algo.objectives import supervised_objective
 from tppo.algo.pool import Sample, SamplePool
 from tppo.base import checkpoint
@@ -223,14 +223,18 @@ def _start_roles(cfg: ExperimentConfig, placement: Reservation) -> Roles:
             **kwargs,
         )
 
+    temperature = logprob_temperature(cfg.rollout.temperature)
     policy = Trainer(
-        trainers("policy", cfg.parallel, c.policy_ranks, executor=executor_spec(cfg)), mbs, routing
+        trainers("policy", cfg.parallel, c.policy_ranks, executor=executor_spec(cfg)),
+        mbs,
+        routing,
+        temperature,
     )
     critic = Trainer(trainers("critic", critic_parallel(cfg), c.critic_ranks), mbs, False)
     planner = LoadPlanner(cfg.relibra, cfg.model, policy.router_layout()) if relibra_applies(cfg) else None
     reference = None
     if cfg.algo.kl_coef:
-        reference = Trainer(trainers("reference", cfg.parallel, c.policy_ranks), mbs, routing)
+        reference = Trainer(trainers("reference", cfg.parallel, c.policy_ranks), mbs, routing, temperature)
     return Roles(policy=policy, critic=critic, planner=planner, reference=reference)
 
 

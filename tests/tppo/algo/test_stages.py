@@ -80,6 +80,15 @@ def test_critic_targets_are_the_outcome_on_every_response_token():
     assert t.old_values_BT[0, 2:].tolist() == pytest.approx([0.1, 0.2, 0.3])
 
 
+def test_critic_targets_are_discounted_returns_under_gamma():
+    """gamma = 0.9, outcome R = 2 on the last of 3 response tokens: G = (0.81 R, 0.9 R, R), the prompt none."""
+    a = _sample("a", [1, 2], [5, 6], [7], finished=True, reward=2.0)
+    t = critic_batch([a], [False], routing=False, gamma=0.9).payload
+    assert t.returns_BT[0].tolist() == pytest.approx([0.0, 0.0, 0.81 * 2, 0.9 * 2, 2.0])
+    filler = critic_batch([a], [True], routing=False, gamma=0.9).payload
+    assert filler.returns_BT.abs().sum() == 0 and filler.mask_BT.sum() == 0
+
+
 def test_scoring_counts_raising_nonfinite_and_hanging_verifiers():
     samples = [_sample(str(i), [1], [], [2], finished=True) for i in range(4)]
     samples.append(_sample("open", [1], [], [2, 3]))

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
+from rollout.params import SamplingParams
 from tppo.cluster.config import ClusterConfig
 from tppo.cluster.placement import layout, reserve
-from tppo.cluster.roles import Rollout, start_group
+from tppo.cluster.roles import Rollout, share_by_cost, start_group
 from tppo.cluster.session import ray_session
 
 
@@ -64,8 +66,27 @@ class _Echo:
 def test_generation_splits_over_workers_and_keeps_request_order(workers, requests):
     rollout = Rollout(start_group("rollout", _Echo, [(f"w{i}",) for i in range(workers)], remote=False))
     echoes = rollout.ranks.handles  # in-process: the workers themselves
-    outs = rollout.generate([[i] for i in range(requests)], list(range(requests)))
-    assert [(o[1], o[2]) for o in outs] == [(i, i) for i in range(requests)]
+    params = [SamplingParams(max_new_tokens=1 + i % 3, seed=i) for i in range(requests)]
+    outs = rollout.generate([[i] for i in range(requests)], params)
+    assert [(o[1], o[2]) for o in outs] == [(i, params[i]) for i in range(requests)]
     used = {o[0] for o in outs}
     assert len(used) == min(workers, requests)
     assert sum(e.calls for e in echoes) == workers  # in-process workers, one call each
+
+
+def test_continuations_spread_over_the_engines_by_expected_tokens():
+    """The pool puts continuations (long prefixes) first: a contiguous split would give one engine all of them.
+    Shared by expected tokens, every engine's total is within one request of the mean."""
+    prompts = [list(range(1000))] * 4 + [list(range(50))] * 12
+    costs = [len(p) + 100 for p in prompts]
+    shares = share_by_cost(costs, 2)
+    assert sorted(i for share in shares for i in share) == list(range(16))
+    assert all(share == sorted(share) for share in shares)
+    totals = [sum(costs[i] for i in share) for share in shares]
+    assert max(totals) - min(totals) <= max(costs)
+    assert [sum(i < 4 for i in share) for share in shares] == [2, 2]
+    rng = np.random.default_rng(0)
+    for workers in (1, 3, 8):
+        costs = rng.integers(1, 5000, 40).tolist()
+        totals = [sum(costs[i] for i in share) for share in share_by_cost(costs, workers)]
+        assert max(totals) <= sum(costs) / workers + max(costs)
