@@ -155,6 +155,21 @@ def test_the_trainer_scores_tokens_at_the_rollouts_sampling_temperature(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.dist
+def test_exact_bootstrap_trains_end_to_end(tmp_path):
+    """algo.bootstrap=exact bootstraps cut windows with the critic's value after their last token."""
+    done = _run(
+        _cmd(tmp_path, "exact", "algo.bootstrap=exact", "algo.critic_warmup_steps=0", "run.num_steps=2")
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "exact" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(
+        math.isfinite(r["tppo/adv_abs_max"]) and r["tppo/adv_abs_max"] > 0 for r in rows
+    )
+    assert all(r["rollout/cut_fraction"] > 0 for r in rows)  # some windows were cut: the bootstrap was used
+
+
+@pytest.mark.slow
+@pytest.mark.dist
 def test_bad_override_fails_before_anything_starts(tmp_path):
     result = _run(_cmd(tmp_path, "bad", "algo.window=0"), timeout=120)
     assert result.returncode == 2

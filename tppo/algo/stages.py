@@ -138,9 +138,17 @@ def window_values(batch: Sequence[Sample], values_rows: Sequence[np.ndarray]) ->
 
 
 def advantages(
-    batch: Sequence[Sample], values: Sequence[np.ndarray], algo: AlgoConfig
+    batch: Sequence[Sample],
+    values: Sequence[np.ndarray],
+    algo: AlgoConfig,
+    after_last_B: np.ndarray | None = None,
 ) -> tuple[list[np.ndarray], dict]:
-    """The registered estimator over the current windows, then tail mask, whitening and clamping."""
+    """The registered estimator over the current windows, then tail mask, whitening and clamping.
+
+    `values[b]`: V(s_t) of sample b's window tokens; `after_last_B[b]`: the critic's value of the state after its
+    last generated token, the bootstrap of a cut window under algo.bootstrap=exact."""
+    if algo.bootstrap == "exact" and after_last_B is None:
+        raise ValueError("algo.bootstrap=exact needs the value after each window's last token (after_last_B)")
     lengths = [len(s.window_ids) for s in batch]
     width = max(lengths)
     mask = _window_tensor([np.ones(n) for n in lengths], width)
@@ -162,6 +170,9 @@ def advantages(
         gamma=algo.gamma,
         lam=lam,
         bootstrap=algo.bootstrap,
+        bootstrap_values_B=(
+            torch.as_tensor(after_last_B, dtype=torch.float32) if algo.bootstrap == "exact" else None
+        ),
     )
     raw = ADVANTAGE_ESTIMATORS.get(algo.estimator)(inputs)
     if raw.dim() == 1:  # outcome estimators (GRPO) give one advantage per sample

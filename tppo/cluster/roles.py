@@ -45,6 +45,15 @@ class OldLogprobs:
     counts_MLE: list[np.ndarray] | None = None
 
 
+@dataclass(frozen=True)
+class Values:
+    """The critic's values of a batch's samples: V(s_t) over every token of each sequence (aligned with the
+    tokens, as ForwardOutput.values_BT), and the value of the state after each sequence's last token."""
+
+    rows: list[np.ndarray]
+    after_last_B: np.ndarray
+
+
 class RoleError(RuntimeError):
     """A role's process died or failed; the message names the role and rank."""
 
@@ -230,10 +239,10 @@ class Trainer:
         """Per rank, per micro-batch: the engine's outputs (aligned with `batches`)."""
         return self.ranks.call(TrainerWorker.forward, [(b, with_entropy, record_routing) for b in batches])
 
-    def values(self, samples: Sequence[Sample]) -> list[np.ndarray]:
-        """The critic's V(s_t) over every token of each sample's sequence, in the samples' order."""
+    def values(self, samples: Sequence[Sample]) -> Values:
+        """The critic's values of each sample's sequence, in the samples' order."""
         outs = self.forward(self.critic_batches(samples))
-        return _rows(outs, self.placement(len(samples)), len(samples))
+        return _values(outs, self.placement(len(samples)), len(samples))
 
     def stage(self, batches: RankBatches) -> None:
         """Send this step's micro-batches to the ranks, which keep them for the calls below and the update."""
@@ -293,11 +302,13 @@ class Trainer:
         return shards
 
 
-def _rows(outs: list[list[ForwardOutput]], placement: Placement, num: int) -> list[np.ndarray]:
-    """Per-sample rows of the per-token values, back in the samples' order (fillers dropped)."""
+def _values(outs: list[list[ForwardOutput]], placement: Placement, num: int) -> Values:
+    """Per-sample values back in the samples' order (fillers dropped)."""
     rows: list[np.ndarray | None] = [None] * num
+    ends = np.zeros(num, np.float32)
     for rank_rows, rank_outs in zip(placement.rows, outs):
         for mb_rows, out in zip(rank_rows, rank_outs):
             for j, i in enumerate(mb_rows):
                 rows[i] = out.values_BT[j].float().numpy()
-    return [r for r in rows if r is not None]
+                ends[i] = float(out.end_values_S[j])
+    return Values(rows=[r for r in rows if r is not None], after_last_B=ends)

@@ -126,6 +126,9 @@ class ForwardOutput:
     logprobs_BT: torch.Tensor | None = None
     entropy_BT: torch.Tensor | None = None
     values_BT: torch.Tensor | None = None
+    # The critic's value of the state after each sequence's last token (the bootstrap of a cut response): [B]
+    # for a padded batch, one per sequence for a packed one.
+    end_values_S: torch.Tensor | None = None
     routed_experts_BTLK: torch.Tensor | None = None  # filled when routing was recorded
 
 

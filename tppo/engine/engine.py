@@ -537,7 +537,9 @@ class MegatronEngine:
             values = torch.zeros(b, t, dtype=torch.float32, device=x.device)
             values[:, 1:] = x[:, :-1, 0].float()
             return ForwardOutput(
-                values_BT=values.masked_fill(starts, 0.0), routed_experts_BTLK=mb.recorded_BTLK
+                values_BT=values.masked_fill(starts, 0.0),
+                end_values_S=_end_values(batch, x[..., 0].float()),
+                routed_experts_BTLK=mb.recorded_BTLK,
             )
         v_local = x.shape[-1]
         targets = batch.input_ids_BT.long()[:, 1:].reshape(-1)
@@ -923,3 +925,12 @@ class MegatronEngine:
         from tppo.engine.convert import iter_hf_weights
 
         return iter_hf_weights(self, bucket_bytes=bucket_bytes)
+
+
+def _end_values(batch: TrainBatch, v_BT: torch.Tensor) -> torch.Tensor:
+    """The critic's value of the state after each sequence's last token: the output at that token (which the
+    token-aligned values_BT drop), one per row of a padded batch, one per sequence of a packed one."""
+    if batch.packed:
+        return v_BT[0, batch.cu_seqlens[1:].long().to(v_BT.device) - 1]
+    last_B = batch.valid_BT().long().sum(dim=1).clamp(min=1) - 1
+    return v_BT.gather(1, last_B.to(v_BT.device)[:, None])[:, 0]

@@ -70,9 +70,9 @@ def rl_step(
     metrics |= shape_rewards(batch, cfg.algo)
     with timer("values"):
         values = roles.critic.values(batch)
-        win_values = window_values(batch, values)
-    store_values(batch, win_values, values, cfg.algo)
-    adv, adv_metrics = advantages(batch, win_values, cfg.algo)
+        win_values = window_values(batch, values.rows)
+    store_values(batch, win_values, values.rows, cfg.algo)
+    adv, adv_metrics = advantages(batch, win_values, cfg.algo, values.after_last_B)
     metrics |= adv_metrics
     policy_in = roles.policy.policy_batches(batch, adv)
     updates_policy = step >= cfg.algo.critic_warmup_steps

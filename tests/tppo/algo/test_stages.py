@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -193,3 +194,34 @@ def test_store_values_keeps_windows_or_recomputes_every_response_token_of_finish
     np.testing.assert_array_equal(open_.values, windows[1])  # still in flight: its stored values stay
     batch = critic_batch([done], [False], routing=False)
     np.testing.assert_array_equal(batch.payload.old_values_BT[0, 2:6].numpy(), rows[0][2:6])
+
+
+def test_exact_bootstrap_uses_the_value_after_a_cut_windows_last_token():
+    """algo.bootstrap=exact: a cut window's advantages are EGAE's with the critic's value after its last token as
+    V(s_l); a finished window ignores it. Checked against the estimator called directly, and against repeat_last
+    (which must differ for the cut row only)."""
+    cut = _sample("cut", [1], [], [2, 3, 4])
+    done = _sample("done", [1], [], [5, 6], finished=True, reward=1.0)
+    values = [np.array([0.1, 0.2, 0.3], np.float32), np.array([0.4, 0.5], np.float32)]
+    after = np.array([0.9, -7.0], np.float32)
+    algo = AlgoConfig(bootstrap="exact", lam_adaptive=False, whiten=False, adv_clamp=0.0)
+    exact, _ = advantages([cut, done], values, algo, after)
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+    rewards = torch.tensor([[0.0, 0, 0], [0, 1, 0]])
+    v = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.0]])
+    ref = egae(
+        rewards,
+        v,
+        mask,
+        torch.tensor([0.0, 1.0]),
+        gamma=1.0,
+        lam=0.95,
+        bootstrap="exact",
+        bootstrap_values=torch.tensor([0.9, -7.0]),
+    )
+    np.testing.assert_allclose(exact[0], ref[0].numpy(), rtol=1e-6)
+    np.testing.assert_allclose(exact[1], ref[1, :2].numpy(), rtol=1e-6)
+    last, _ = advantages([cut, done], values, dataclasses.replace(algo, bootstrap="repeat_last"))
+    assert not np.allclose(exact[0], last[0]) and np.allclose(exact[1], last[1])
+    with pytest.raises(ValueError, match="after_last_B"):
+        advantages([cut, done], values, algo)

@@ -199,6 +199,30 @@ def test_critic_values_train(ckpt):
     assert critic.module.output_layer.weight.shape == (1, m.hidden_size)
 
 
+def test_critic_end_values_are_the_values_of_the_state_after_the_last_token(ckpt):
+    """Causal model: the value of the state after a sequence's last token is what a one-token-longer sequence
+    reads as V(s_t) of its appended token. Padded rows of different lengths and a packed row agree."""
+    critic = MegatronEngine(model_config_from_hf(ckpt), ParallelConfig(), OptimConfig(), role="critic")
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 96, (n,), generator=g) for n in (9, 6)]
+
+    def padded(rows: list[torch.Tensor]) -> TrainBatch:
+        width = max(len(r) for r in rows)
+        ids, mask = (
+            torch.zeros(len(rows), width, dtype=torch.long),
+            torch.zeros(len(rows), width, dtype=torch.long),
+        )
+        for i, r in enumerate(rows):
+            ids[i, : len(r)], mask[i, : len(r)] = r, 1
+        return TrainBatch(input_ids_BT=ids, attention_mask_BT=mask)
+
+    ends = critic.forward([padded(seqs)])[0].end_values_S
+    longer = critic.forward([padded([torch.cat([s, torch.tensor([5])]) for s in seqs])])[0].values_BT
+    torch.testing.assert_close(ends, torch.stack([longer[0, 9], longer[1, 6]]), rtol=1e-4, atol=1e-5)
+    packed = TrainBatch(input_ids_BT=torch.cat(seqs)[None], cu_seqlens=torch.tensor([0, 9, 15]))
+    torch.testing.assert_close(critic.forward([packed])[0].end_values_S, ends, rtol=1e-4, atol=1e-5)
+
+
 def test_offload_releases_and_onload_restores(ckpt):
     a, b = _engine(ckpt), _engine(ckpt)
     for e in (a, b):
