@@ -26,6 +26,8 @@ experts, G GPUs (EP ranks), J slots per GPU (H home + R replica), P = G * J phys
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,6 +121,12 @@ class Plan:
     @property
     def num_slots(self) -> int:
         return self.slots_MLGJ.shape[3]
+
+    def select(self, microbatches: Sequence[int]) -> Plan:
+        """The plan for the micro-batches `microbatches`, run in that order (an index may repeat: a micro-batch
+        trained again in a later epoch); the placement is unchanged."""
+        idx = np.asarray(microbatches, dtype=np.int64)
+        return dataclasses.replace(self, slots_MLGJ=self.slots_MLGJ[idx], quota_MLGJS=self.quota_MLGJS[idx])
 
     def served_MLGJ(self) -> np.ndarray:
         """Pairs computed by each slot: sum over sources of the quota."""

@@ -79,8 +79,8 @@ def test_typed_values_arrive_as_python_types():
         ("algo.batch_size=10", "algo.batch_size=10 must be a multiple of algo.group_size=4"),
         ("model.hidden_sizee=3", "unknown key 'model.hidden_sizee'"),
         ("run.device=cuda", "run.device=cuda needs cluster.gpus_per_node >= 1"),
-        ("algo.mini_batches=4", "algo.mini_batches=4 is not supported"),
-        ("algo.epochs=2", "algo.epochs=2 is not supported"),
+        ("algo.mini_batches=0", "algo.mini_batches=0 is not allowed: expected a value >= 1"),
+        ("algo.epochs=0", "algo.epochs=0 is not allowed: expected a value >= 1"),
     ],
 )
 def test_bad_values_raise_config_error_naming_the_key(override, expected):

@@ -78,6 +78,38 @@ def place(num_samples: int, num_ranks: int, micro_batch_size: int) -> Placement:
     )
 
 
+def update_schedule(
+    num_microbatches: int, mini_batches: int, epochs: int, rng: np.random.Generator
+) -> list[list[int]]:
+    """The optimizer steps of one update: per epoch, the micro-batches in an order `rng` shuffles, cut into
+    min(mini_batches, num_microbatches) contiguous mini-batches of near-equal size; one list of micro-batch
+    indices per optimizer step. Every rank holds the same number of micro-batches, so every rank takes the same
+    steps over its own micro-batches with the same indices. A single mini-batch of a single epoch keeps the
+    micro-batches in order (the gradient is the same; so is its summation order).
+
+    Shuffling is over micro-batches: the samples of one micro-batch stay together (they were dealt to it
+    round-robin by `place`)."""
+    if num_microbatches < 1 or mini_batches < 1 or epochs < 1:
+        raise ValueError(
+            f"num_microbatches={num_microbatches}, mini_batches={mini_batches} and epochs={epochs} must be >= 1"
+        )
+    k = min(mini_batches, num_microbatches)
+    if k == 1 and epochs == 1:
+        return [list(range(num_microbatches))]
+    steps = []
+    for _ in range(epochs):
+        order = rng.permutation(num_microbatches)
+        steps += [[int(m) for m in chunk] for chunk in np.array_split(order, k)]
+    return steps
+
+
+def select_microbatches(
+    batches: list[list[TrainBatch]], microbatches: Sequence[int]
+) -> list[list[TrainBatch]]:
+    """Every rank's micro-batches `microbatches` (one optimizer step's share of the step's batches)."""
+    return [[rank[m] for m in microbatches] for rank in batches]
+
+
 def _padded(rows: Sequence[np.ndarray], width: int, fill: float = 0, dtype=torch.float32) -> torch.Tensor:
     out = torch.full((len(rows), width), fill, dtype=dtype)
     for b, row in enumerate(rows):

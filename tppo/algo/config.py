@@ -45,7 +45,12 @@ class AlgoConfig:
     warm_start_steps: int = spec(
         0, ge=0, help="supervised warm start of the policy on the task's demonstrations"
     )
-    mini_batches: int = spec(1, ge=1, help="PPO mini-batches per step (only 1 is supported)")
-    epochs: int = spec(1, ge=1, help="PPO epochs per step (only 1 is supported)")
+    mini_batches: int = spec(
+        1,
+        ge=1,
+        help="optimizer steps per epoch of the policy's and the critic's updates (each over its share of the "
+        "micro-batches, at most one per micro-batch)",
+    )
+    epochs: int = spec(1, ge=1, help="passes over the step's batch, micro-batches reshuffled each pass")
     actor_optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
     critic_optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-6))

@@ -28,7 +28,7 @@ from tppo.algo.advantages import (
 from tppo.algo.config import AlgoConfig
 from tppo.algo.losses import mismatch_metrics
 from tppo.algo.pool import Sample
-from tppo.engine.batch import ForwardOutput, TrainBatch
+from tppo.engine.batch import ForwardOutput, StepResult, TrainBatch
 
 Verifier = Callable[[Sample], float]
 
@@ -237,6 +237,33 @@ def rollout_mismatch(parts: Sequence[MismatchInputs]) -> dict[str, float]:
     trainer, rollout, mask = (torch.cat([mb[i] for mb in flat])[None] for i in range(3))
     m = mismatch_metrics(trainer, rollout, mask)
     return {k.replace("tppo/mismatch_", "mismatch/"): v for k, v in m.items()}
+
+
+def update_rng(run_seed: int, step: int, role: str) -> np.random.Generator:
+    """The generator that shuffles one role's update at one step: the same after a resume."""
+    return np.random.default_rng([run_seed, step, {"policy": 0, "critic": 1}[role]])
+
+
+def update_metrics(ns: str, results: Sequence[StepResult]) -> dict[str, float]:
+    """One update's metrics under `ns/`: its optimizer steps, how many were skipped (non-finite), the loss,
+    gradient norm and every metric the steps reported averaged over the steps that reported it (the ReLibra
+    executor's ride on the last step only), the last LR."""
+    out = {
+        f"{ns}/loss": _mean([r.loss for r in results]),
+        f"{ns}/grad_norm": _mean([r.grad_norm for r in results]),
+        f"{ns}/lr": results[-1].lr,
+        f"{ns}/skipped_updates": float(sum(r.skipped for r in results)),
+        f"{ns}/optimizer_steps": float(len(results)),
+    }
+    per_key: dict[str, list[float]] = {}
+    for r in results:
+        for k, v in r.metrics.items():
+            per_key.setdefault(k if "/" in k else f"{ns}/{k}", []).append(v)
+    return out | {k: _mean(v) for k, v in per_key.items()}
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
 
 
 def rollout_metrics(batch: Sequence[Sample], retired: Sequence[Sample], seconds: float) -> dict[str, float]:

@@ -266,12 +266,25 @@ class Trainer:
         plan: Plan | None = None,
         loads_MLSE: np.ndarray | None = None,
     ) -> StepResult:
-        """One update on every rank on `batches` (None: those staged), under ReLibra's `plan` when given; the
-        result of rank 0 (losses and norms are reduced over the ranks)."""
+        """One optimizer step on every rank over `batches` (None: those staged), under ReLibra's `plan` when
+        given; the result of rank 0 (losses and norms are reduced over the ranks)."""
+        return self.update(batches, [objective], None, plan, loads_MLSE)[0]
+
+    def update(
+        self,
+        batches: RankBatches | None,
+        objectives: Sequence[Callable[..., Any]],
+        schedule: Sequence[Sequence[int]] | None = None,
+        plan: Plan | None = None,
+        loads_MLSE: np.ndarray | None = None,
+    ) -> list[StepResult]:
+        """One optimizer step per entry of `schedule` (micro-batch indices, the same on every rank; None: one step
+        over all) with the matching objective; rank 0's result of each step. ReLibra's `plan` places the experts
+        once; the ReLibra metrics and `plan_applied` ride on the last step's result."""
         if batches is not None:
             self.stage(batches)
         extra = () if plan is None else (plan, loads_MLSE)
-        return self.ranks.call(TrainerWorker.train, None, objective, *extra)[0]
+        return self.ranks.call(TrainerWorker.train, None, list(objectives), schedule, *extra)[0]
 
     def router_layout(self) -> RouterLayout:
         return self.ranks.call(TrainerWorker.router_layout)[0]

@@ -178,30 +178,41 @@ class TrainerWorker:
 
     def train(
         self,
-        objective: Callable[[ForwardOutput, TrainBatch], LossOutput],
+        objectives: Sequence[Callable[[ForwardOutput, TrainBatch], LossOutput]],
+        schedule: Sequence[Sequence[int]] | None = None,
         plan: Plan | None = None,
         loads_MLSE: np.ndarray | None = None,
-    ) -> StepResult:
-        """One optimizer step on the staged batches (released afterwards); with a ReLibra `plan`, the experts are
-        placed and replicated by it meanwhile."""
+    ) -> list[StepResult]:
+        """One optimizer step per entry of `schedule` (the staged micro-batches it lists; None: one step over all
+        of them) with the matching objective; the staged batches are released afterwards. With a ReLibra `plan`
+        the experts are placed by it once and every micro-batch, in the order the steps run it, is routed and
+        replicated by its own row of the plan."""
         self._awake()
         batches, self._staged = self._staged_batches(), None
+        schedule = [list(range(len(batches)))] if schedule is None else [list(s) for s in schedule]
+        if len(objectives) != len(schedule):
+            raise ValueError(f"{len(objectives)} objectives for {len(schedule)} optimizer steps")
         replay = _replayed(batches)
+        order = [m for step in schedule for m in step]
         use_plan = plan is not None and self.executor is not None
-        applied = use_plan and self._begin_plan(plan, loads_MLSE, len(batches))
+        applied = use_plan and self._begin_plan(plan.select(order), loads_MLSE[order], len(order))
         try:
-            result = self.engine.train_step(batches, objective, require_replay=replay)
+            results = [
+                self.engine.train_step([batches[m] for m in step], objective, require_replay=replay)
+                for step, objective in zip(schedule, objectives, strict=True)
+            ]
         except BaseException:
             if applied:
                 with contextlib.suppress(Exception):
                     self.executor.end_step()
             raise
         if use_plan:
-            result.plan_applied = applied
-            result.metrics |= (self.executor.end_step() if applied else {}) | {
+            last = results[-1]
+            last.plan_applied = applied
+            last.metrics |= (self.executor.end_step() if applied else {}) | {
                 "relibra/exec_refused": float(not applied)
             }
-        return result
+        return results
 
     def _begin_plan(self, plan: Plan, loads_MLSE: np.ndarray, num_microbatches: int) -> bool:
         """Apply `plan` for the coming step; False when the ranks refused it (they vote before anything moves,

@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from rollout.params import SamplingParams
+from tppo.algo.batching import select_microbatches, update_schedule
 from tppo.algo.objectives import policy_objective, value_objective
 from tppo.algo.pool import Sample, SamplePool
 from tppo.algo.stages import (
@@ -30,11 +31,12 @@ from tppo.algo.stages import (
     score_finished,
     shape_rewards,
     store_values,
+    update_metrics,
+    update_rng,
     window_values,
 )
 from tppo.cluster.roles import RankBatches, Rollout, Trainer
 from tppo.config import ExperimentConfig
-from tppo.engine.batch import StepResult
 from tppo.loop.balance import LoadPlanner, StepPlan, loads_from_ranks
 
 
@@ -77,9 +79,9 @@ def rl_step(
     policy_in = roles.policy.policy_batches(batch, adv)
     updates_policy = step >= cfg.algo.critic_warmup_steps
     planning = start_plan(roles, policy_in) if updates_policy and cfg.algo.routing_replay == "r3" else None
-    metrics |= update_critic(roles.critic, [s for s in batch if s.finished], cfg, timer)
+    metrics |= update_critic(roles.critic, [s for s in batch if s.finished], cfg, step, timer)
     if updates_policy:
-        metrics |= update_policy(roles, policy_in, planning, cfg, timer)
+        metrics |= update_policy(roles, policy_in, planning, cfg, step, timer)
         with timer("weight_sync"):
             sync_weights(roles, cfg)
     outcome = pool.put_back(batch)
@@ -112,14 +114,22 @@ def generate(
 
 
 def update_critic(
-    critic: Trainer, finished: list[Sample], cfg: ExperimentConfig, timer: PhaseTimer
+    critic: Trainer, finished: list[Sample], cfg: ExperimentConfig, step: int, timer: PhaseTimer
 ) -> dict[str, float]:
-    """The critic's update on the finished responses (Monte-Carlo targets); nothing when none finished."""
+    """The critic's update on the finished responses (discounted Monte-Carlo targets), algo.mini_batches x
+    algo.epochs optimizer steps; nothing when none finished."""
     if not finished:
         return {}
     with timer("critic_update"):
         critic_in = critic.critic_batches(finished, cfg.algo.gamma)
-        metrics = step_metrics("critic", critic.train(critic_in, value_objective(cfg.algo, critic_in)))
+        schedule = update_schedule(
+            len(critic_in[0]),
+            cfg.algo.mini_batches,
+            cfg.algo.epochs,
+            update_rng(cfg.run.seed, step, "critic"),
+        )
+        objectives = [value_objective(cfg.algo, select_microbatches(critic_in, s)) for s in schedule]
+        metrics = update_metrics("critic", critic.update(critic_in, objectives, schedule))
     if cfg.cluster.time_shared:
         with timer("offload"):
             critic.offload()
@@ -131,9 +141,11 @@ def update_policy(
     policy_in: RankBatches,
     planning: Future[StepPlan] | None,
     cfg: ExperimentConfig,
+    step: int,
     timer: PhaseTimer,
 ) -> dict[str, float]:
-    """Old (and reference) log-probs, then the policy update under ReLibra's plan when there is one."""
+    """Old (and reference) log-probs of the whole batch, then the policy update (algo.mini_batches x algo.epochs
+    optimizer steps) under ReLibra's plan when there is one."""
     with timer("old_logprobs"):
         roles.policy.stage(policy_in)  # the ranks keep the step's micro-batches until the update
         # R2: the trainer's own pass records the experts the update then replays.
@@ -148,13 +160,19 @@ def update_policy(
     step_plan = finish_plan(planning, timer)
     plan = step_plan.plan if step_plan is not None else None
     with timer("policy_update"):
-        objective = policy_objective(cfg.algo, policy_in)
+        schedule = update_schedule(
+            len(policy_in[0]),
+            cfg.algo.mini_batches,
+            cfg.algo.epochs,
+            update_rng(cfg.run.seed, step, "policy"),
+        )
+        objectives = [policy_objective(cfg.algo, select_microbatches(policy_in, s)) for s in schedule]
         loads = step_plan.loads_MLSE if plan is not None else None
-        result = roles.policy.train(None, objective, plan, loads)
-        metrics |= step_metrics("tppo", result)
+        results = roles.policy.update(None, objectives, schedule, plan, loads)
+        metrics |= update_metrics("tppo", results)
     if step_plan is not None:
         metrics |= step_plan.metrics
-    if result.plan_applied is False:
+    if results[-1].plan_applied is False:
         roles.planner.refused()
     return metrics
 
@@ -185,14 +203,3 @@ def sync_weights(roles: Roles, cfg: ExperimentConfig) -> None:
     """Policy weights, bucketed, in HF names and logical expert order, into the rollout engine."""
     for bucket in roles.policy.weights(cfg.rollout.weight_sync_bucket_mb << 20):
         roles.rollout.load_weights(bucket)
-
-
-def step_metrics(ns: str, result: StepResult) -> dict[str, float]:
-    """An update's loss, gradient norm, LR and skip count, and the ranks' own metrics, under `ns/`."""
-    out = {
-        f"{ns}/loss": result.loss,
-        f"{ns}/grad_norm": result.grad_norm,
-        f"{ns}/lr": result.lr,
-        f"{ns}/skipped_updates": float(result.skipped),
-    }
-    return out | {k if "/" in k else f"{ns}/{k}": v for k, v in result.metrics.items()}

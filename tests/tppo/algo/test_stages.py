@@ -11,7 +11,7 @@ import torch
 
 from rollout import synthetic
 from tppo.algo.advantages import egae, length_adaptive_lambda, postprocess_advantages
-from tppo.algo.batching import critic_batch, place, policy_batch, split_for_ranks
+from tppo.algo.batching import critic_batch, place, policy_batch, split_for_ranks, update_schedule
 from tppo.algo.config import AlgoConfig
 from tppo.algo.pool import Sample
 from tppo.algo.stages import (
@@ -20,8 +20,10 @@ from tppo.algo.stages import (
     score_finished,
     shape_rewards,
     store_values,
+    update_metrics,
     window_values,
 )
+from tppo.engine.batch import StepResult
 
 
 def _sample(uid, prompt, earlier, window, finished=False, reward=None, layers=2, k=2):
@@ -225,3 +227,37 @@ def test_exact_bootstrap_uses_the_value_after_a_cut_windows_last_token():
     assert not np.allclose(exact[0], last[0]) and np.allclose(exact[1], last[1])
     with pytest.raises(ValueError, match="after_last_B"):
         advantages([cut, done], values, algo)
+
+
+def test_update_schedule_shuffles_each_epoch_into_mini_batches():
+    steps = update_schedule(7, 3, 2, np.random.default_rng(5))
+    assert len(steps) == 6 and [len(s) for s in steps] == [3, 2, 2, 3, 2, 2]
+    for epoch in (steps[:3], steps[3:]):
+        assert sorted(m for s in epoch for m in s) == list(range(7))  # every micro-batch once per epoch
+    assert steps[:3] != steps[3:]  # reshuffled
+    assert steps == update_schedule(7, 3, 2, np.random.default_rng(5))  # seeded
+    assert update_schedule(4, 1, 1, np.random.default_rng(0)) == [[0, 1, 2, 3]]  # one step: in order
+    assert [len(s) for s in update_schedule(2, 4, 1, np.random.default_rng(0))] == [
+        1,
+        1,
+    ]  # <= one per micro-batch
+    with pytest.raises(ValueError, match="mini_batches=0"):
+        update_schedule(3, 0, 1, np.random.default_rng(0))
+
+
+def test_update_metrics_average_the_optimizer_steps():
+    def result(loss, skipped, **metrics):
+        return StepResult(
+            loss=loss, grad_norm=2 * loss, lr=loss / 10, skipped=skipped, num_microbatches=1, metrics=metrics
+        )
+
+    out = update_metrics(
+        "tppo",
+        [
+            result(1.0, False, **{"tppo/clip_fraction": 0.0}),
+            result(3.0, True, **{"tppo/clip_fraction": 0.5, "relibra/exec_skew_measured": 1.2}),
+        ],
+    )
+    assert out["tppo/loss"] == 2.0 and out["tppo/grad_norm"] == 4.0 and out["tppo/lr"] == 0.3
+    assert out["tppo/skipped_updates"] == 1.0 and out["tppo/optimizer_steps"] == 2.0
+    assert out["tppo/clip_fraction"] == 0.25 and out["relibra/exec_skew_measured"] == 1.2
