@@ -140,6 +140,14 @@ def _algo_rules(c: ExperimentConfig) -> str | None:
             f"rollout.max_model_len={c.rollout.max_model_len} exceeds "
             f"model.max_position_embeddings={c.model.max_position_embeddings}"
         )
+    if a.dynamic_sampling and a.window < a.max_response_length:
+        return (
+            f"algo.dynamic_sampling needs whole responses: set algo.window >= algo.max_response_length="
+            f"{a.max_response_length} (with windows a group's rewards are known only once its last response "
+            "finishes, after the others' windows have trained)"
+        )
+    if a.dynamic_sampling and a.group_size < 2:
+        return "algo.dynamic_sampling needs algo.group_size >= 2 (a group of one always has equal rewards)"
     if a.overlong_buffer >= a.max_response_length:
         return f"algo.overlong_buffer={a.overlong_buffer} must be below algo.max_response_length"
     return None

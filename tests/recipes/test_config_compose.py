@@ -81,6 +81,7 @@ def test_typed_values_arrive_as_python_types():
         ("run.device=cuda", "run.device=cuda needs cluster.gpus_per_node >= 1"),
         ("algo.mini_batches=0", "algo.mini_batches=0 is not allowed: expected a value >= 1"),
         ("algo.epochs=0", "algo.epochs=0 is not allowed: expected a value >= 1"),
+        ("algo.dynamic_sampling=true", "algo.dynamic_sampling needs whole responses"),
     ],
 )
 def test_bad_values_raise_config_error_naming_the_key(override, expected):

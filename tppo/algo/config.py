@@ -39,7 +39,14 @@ class AlgoConfig:
     entropy_coef: float = spec(0.0, ge=0)
     critic_warmup_steps: int = spec(10, ge=0)
     critic_old_values: str = spec("stored", choices=("stored", "recompute"))
-    dynamic_sampling: bool = False
+    dynamic_sampling: bool = spec(
+        False,
+        help="DAPO: groups whose rewards are all equal are removed before the updates and the batch is refilled "
+        "from further prompts (needs whole responses: algo.window >= algo.max_response_length)",
+    )
+    dynamic_sampling_rounds: int = spec(
+        3, ge=1, help="refill generations per step at most (the bound on over-sampling)"
+    )
     overlong_buffer: int = spec(0, ge=0, help="DAPO L_cache; 0 disables overlong shaping")
     routing_replay: str = spec("r3", choices=("r3", "r2", "off"))
     warm_start_steps: int = spec(

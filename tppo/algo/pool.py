@@ -420,20 +420,34 @@ class SamplePool:
         if self._outstanding:
             raise RuntimeError("take: the previous batch was not put back (call put_back(batch) first)")
         batch, self._continuations = self._continuations, []
-        while len(batch) < self.batch_size:
+        return self._hand_out(batch + self._fresh(self.batch_size - len(batch)))
+
+    def take_more(self, num_items: int) -> list[Sample]:
+        """Up to `num_items` more fresh items for the batch that is out (dynamic sampling's refill): the rest of
+        a group admitted earlier, then new groups. They come back with the batch in the same `put_back`."""
+        if not self._outstanding:
+            raise RuntimeError("take_more: no batch is out (call take() first)")
+        return self._hand_out(self._fresh(num_items))
+
+    def _fresh(self, num_items: int) -> list[Sample]:
+        fresh: list[Sample] = []
+        while len(fresh) < num_items:
             if not self._pending:
                 self._pending = self._admit_group()
                 if not self._pending:
                     break
-            num_fresh = min(self.batch_size - len(batch), len(self._pending))
-            batch.extend(self._pending[:num_fresh])
-            self._pending = self._pending[num_fresh:]
-        for sample in batch:
+            num = min(num_items - len(fresh), len(self._pending))
+            fresh.extend(self._pending[:num])
+            self._pending = self._pending[num:]
+        return fresh
+
+    def _hand_out(self, items: list[Sample]) -> list[Sample]:
+        for sample in items:
             sample.max_new_tokens = min(self.window, self.max_response_length - sample.num_response_tokens)
             self._outstanding[sample.uid] = _Taken(
                 sample.window_round, sample.num_response_tokens, sample.max_new_tokens, sample.group_id
             )
-        return batch
+        return items
 
     def _admit_group(self) -> list[Sample]:
         """The G fresh items of the next prompt, or [] when the sampler has run out."""

@@ -102,6 +102,17 @@ def shape_rewards(batch: Sequence[Sample], algo: AlgoConfig) -> dict[str, float]
     return {"rollout/overlong_penalty_mean": float(penalty.mean())}
 
 
+def informative_groups(samples: Sequence[Sample]) -> list[Sample]:
+    """DAPO's dynamic-sampling filter: the samples of the groups whose rewards are not all equal (every sample
+    finished and scored), in their order."""
+    rewards: dict[int, set[float]] = {}
+    for s in samples:
+        if not s.finished or s.reward is None:
+            raise ValueError(f"sample {s.uid}: dynamic sampling filters finished, scored samples only")
+        rewards.setdefault(s.group_id, set()).add(float(s.reward))
+    return [s for s in samples if len(rewards[s.group_id]) > 1]
+
+
 def store_values(
     batch: Sequence[Sample],
     window_values_rows: Sequence[np.ndarray],

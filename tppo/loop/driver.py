@@ -26,6 +26,7 @@ from tppo.algo.stages import (
     PhaseTimer,
     Verifier,
     advantages,
+    informative_groups,
     request_seed,
     rollout_metrics,
     score_finished,
@@ -65,17 +66,33 @@ def rl_step(
             offload_trainers(roles)
     with timer("rollout"):
         generate(roles.rollout, batch, cfg, step, stop_ids)
+    metrics |= score(batch, verifier, cfg)
+    generated = batch
+    if cfg.algo.dynamic_sampling:
+        batch, generated, refill = refill_informative(
+            pool, batch, roles, cfg, step, stop_ids, verifier, timer
+        )
+        metrics |= refill
     if shared:
         with timer("offload"):
             roles.rollout.sleep()
-    metrics |= score_finished(batch, verifier, cfg.data.reward_timeout_s)
-    metrics |= shape_rewards(batch, cfg.algo)
+    if batch:
+        metrics |= learn(batch, roles, cfg, step, timer)
+    outcome = pool.put_back(generated)
+    metrics |= rollout_metrics(generated, outcome.retired, timer.seconds["rollout"]) | timer.metrics()
+    metrics |= {f"rollout/pool_{k.split('/', 1)[1]}": v for k, v in outcome.metrics().items()}
+    return metrics
+
+
+def learn(
+    batch: list[Sample], roles: Roles, cfg: ExperimentConfig, step: int, timer: PhaseTimer
+) -> dict[str, float]:
+    """Values, advantages, the critic's update and (after the critic's warm-up) the policy's, then weight sync."""
     with timer("values"):
         values = roles.critic.values(batch)
         win_values = window_values(batch, values.rows)
     store_values(batch, win_values, values.rows, cfg.algo)
-    adv, adv_metrics = advantages(batch, win_values, cfg.algo, values.after_last_B)
-    metrics |= adv_metrics
+    adv, metrics = advantages(batch, win_values, cfg.algo, values.after_last_B)
     policy_in = roles.policy.policy_batches(batch, adv)
     updates_policy = step >= cfg.algo.critic_warmup_steps
     planning = start_plan(roles, policy_in) if updates_policy and cfg.algo.routing_replay == "r3" else None
@@ -84,10 +101,52 @@ def rl_step(
         metrics |= update_policy(roles, policy_in, planning, cfg, step, timer)
         with timer("weight_sync"):
             sync_weights(roles, cfg)
-    outcome = pool.put_back(batch)
-    metrics |= rollout_metrics(batch, outcome.retired, timer.seconds["rollout"]) | timer.metrics()
-    metrics |= {f"rollout/pool_{k.split('/', 1)[1]}": v for k, v in outcome.metrics().items()}
     return metrics
+
+
+def score(batch: list[Sample], verifier: Verifier, cfg: ExperimentConfig) -> dict[str, float]:
+    """The verifier's reward for every finished sample, DAPO's overlong shaping on top."""
+    return score_finished(batch, verifier, cfg.data.reward_timeout_s) | shape_rewards(batch, cfg.algo)
+
+
+def refill_informative(
+    pool: SamplePool,
+    batch: list[Sample],
+    roles: Roles,
+    cfg: ExperimentConfig,
+    step: int,
+    stop_ids: tuple[int, ...],
+    verifier: Verifier,
+    timer: PhaseTimer,
+) -> tuple[list[Sample], list[Sample], dict[str, float]]:
+    """DAPO's dynamic sampling: the groups whose rewards are all equal leave the batch before any update, and
+    further prompts are generated and scored to refill it, at most algo.dynamic_sampling_rounds times. Returns
+    the informative samples (at most algo.batch_size) that train, every sample generated (all go back to the
+    pool, which drops the uninformative groups) and the refill's metrics."""
+    generated, kept, rounds = list(batch), informative_groups(batch), 0
+    failures = {"rollout/reward_failures": 0.0, "rollout/reward_timeouts": 0.0}
+    while len(kept) < cfg.algo.batch_size and rounds < cfg.algo.dynamic_sampling_rounds:
+        extra = pool.take_more(cfg.algo.batch_size - len(kept))
+        if not extra:
+            break
+        with timer("rollout"):
+            generate(roles.rollout, extra, cfg, step, stop_ids)
+        scored = score(extra, verifier, cfg)
+        failures = {k: v + scored.get(k, 0.0) for k, v in failures.items()}
+        generated += extra
+        kept += informative_groups(extra)
+        rounds += 1
+    return (
+        kept,
+        generated,
+        {
+            "rollout/dynamic_generated": float(len(generated)),
+            "rollout/dynamic_kept": float(len(kept)),
+            "rollout/dynamic_refill_rounds": float(rounds),
+            "rollout/refill_reward_failures": failures["rollout/reward_failures"],
+            "rollout/refill_reward_timeouts": failures["rollout/reward_timeouts"],
+        },
+    )
 
 
 def generate(

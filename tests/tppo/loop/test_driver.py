@@ -1,0 +1,111 @@
+"""The driver's step on in-process roles that record what they are given: what the updates see."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from rollout.engine import GenerationOutput
+from tppo.algo.config import AlgoConfig
+from tppo.algo.pool import Prompt, SamplePool
+from tppo.cluster.roles import RankGroup, Rollout, Trainer
+from tppo.cluster.workers import OldLogprobsReport
+from tppo.config import ExperimentConfig
+from tppo.engine.batch import ForwardOutput, StepResult
+from tppo.loop.driver import Roles, rl_step
+
+PROMPT_BASE = 100  # prompt i is the single token PROMPT_BASE + i
+
+
+class _Engines:
+    """A rollout worker: every request answers 4 tokens and stops (eos)."""
+
+    def generate(self, prompts, params):
+        return [
+            GenerationOutput(
+                index=i,
+                prompt_token_ids=list(p),
+                token_ids=[1] * q.max_new_tokens,
+                logprobs=np.full(q.max_new_tokens, -1.0, np.float32),
+                finish_reason="eos",
+                routed_experts=np.zeros((len(p) + q.max_new_tokens, 1, 1), np.uint8),
+                seed=q.seed,
+            )
+            for i, (p, q) in enumerate(zip(prompts, params))
+        ]
+
+    def load_weights(self, named_tensors):
+        return 0
+
+
+class _Rank:
+    """A trainer rank that keeps its staged micro-batches and records the prompts of the rows each update trains."""
+
+    def __init__(self) -> None:
+        self.staged, self.trained_prompts = None, []
+
+    def forward(self, batches, with_entropy=False, record_routing=False):
+        return [
+            ForwardOutput(values_BT=torch.zeros(b.shape), end_values_S=torch.zeros(b.shape[0]))
+            for b in batches
+        ]
+
+    def stage(self, batches):
+        self.staged = list(batches)
+
+    def old_logprobs(self, record_routing=False):
+        return OldLogprobsReport(metrics={})
+
+    def train(self, objectives, schedule=None, plan=None, loads_MLSE=None):
+        for b in self.staged:
+            live = b.loss_mask_BT.sum(dim=1) > 0
+            self.trained_prompts += (b.input_ids_BT[live, 0] - PROMPT_BASE).tolist()
+        return [StepResult(loss=0.0, grad_norm=0.0, lr=0.0, skipped=False, num_microbatches=1)] * len(
+            objectives
+        )
+
+    def hf_weights(self, bucket_bytes):
+        return []
+
+
+def _verifier(sample) -> float:
+    """Even prompts: every response right (an uninformative group); odd prompts: one right, one wrong."""
+    i = int(sample.prompt_ids[0]) - PROMPT_BASE
+    return 1.0 if i % 2 == 0 or sample.uid.endswith(".0") else -1.0
+
+
+def test_dynamic_sampling_trains_only_informative_groups_and_refills_the_batch():
+    algo = AlgoConfig(
+        batch_size=8,
+        group_size=2,
+        window=4,
+        max_response_length=4,
+        dynamic_sampling=True,
+        critic_warmup_steps=0,
+        estimator="grpo",
+    )
+    cfg = replace(ExperimentConfig(), algo=algo)
+    dataset = [Prompt(uid=f"p{i}", prompt_ids=np.array([PROMPT_BASE + i])) for i in range(40)]
+    pool = SamplePool.from_config(algo, dataset, shuffle=False)
+    policy, critic = _Rank(), _Rank()
+    roles = Roles(
+        policy=Trainer(RankGroup("policy", [policy], remote=False), micro_batch_size=2, routing=False),
+        critic=Trainer(RankGroup("critic", [critic], remote=False), micro_batch_size=2, routing=False),
+        rollout=Rollout(RankGroup("rollout", [_Engines()], remote=False)),
+    )
+    metrics = rl_step(0, cfg, pool, roles, _verifier, stop_ids=())
+    # Prompts 0-3 first: 1 and 3 are informative; each refill asks for the missing items (4, then 2, then 2):
+    # prompts 4-5, 6, 7. Three refills reach a full batch of informative groups.
+    assert sorted(policy.trained_prompts) == [1, 1, 3, 3, 5, 5, 7, 7]
+    assert sorted(critic.trained_prompts) == [1, 1, 3, 3, 5, 5, 7, 7]
+    assert metrics["rollout/dynamic_generated"] == 16.0 and metrics["rollout/dynamic_kept"] == 8.0
+    assert metrics["rollout/dynamic_refill_rounds"] == 3.0
+    assert metrics["rollout/pool_num_dropped"] == 8.0 and metrics["rollout/pool_num_retired"] == 8.0
+    # The bound on over-sampling: one refill round leaves a smaller batch of informative groups.
+    bounded = replace(cfg, algo=replace(algo, dynamic_sampling_rounds=1))
+    policy.trained_prompts.clear()
+    metrics = rl_step(1, bounded, pool, roles, _verifier, stop_ids=())
+    assert sorted(policy.trained_prompts) == [9, 9, 11, 11, 13, 13]
+    assert metrics["rollout/dynamic_generated"] == 12.0 and metrics["rollout/dynamic_refill_rounds"] == 1.0
