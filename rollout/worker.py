@@ -68,6 +68,7 @@ class RolloutWorker:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationOutput]:
         if not prompt_token_ids:  # a worker whose share of a small batch is empty
+            self.engine.last_stats = GenerateStats()
             return []
         self.wake()
         return self.engine.generate(prompt_token_ids, params)

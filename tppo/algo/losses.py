@@ -260,6 +260,7 @@ def ppo_clip_loss(
             "tppo/dual_clip_fraction": _masked_mean(dual_BT.float(), valid_BT),
             "tppo/approx_kl": _masked_mean(ratio_d_BT - 1.0 - log_ratio_BT.detach(), valid_BT),
             "tppo/ratio_mean": _masked_mean(ratio_d_BT, valid_BT),
+            "tppo/ratio_min": -_masked_max(-ratio_d_BT, valid_BT),
             "tppo/ratio_max": _masked_max(ratio_d_BT, valid_BT),
         }
     )

@@ -75,9 +75,10 @@ class PolicyObjective:
             )
             total = total + self.pos_lm_coef * lm.loss
             metrics.update(lm.metrics)
-        if self.entropy_coef and out.entropy_BT is not None:
+        if out.entropy_BT is not None:  # the update computes it anyway: reported whether or not it is a bonus
             ent = entropy_bonus(out.entropy_BT, mask, **agg)
-            total = total - self.entropy_coef * ent.loss
+            if self.entropy_coef:
+                total = total - self.entropy_coef * ent.loss
             metrics.update(ent.metrics)
         if self.kl_coef:
             if t.ref_logprobs_BT is None:

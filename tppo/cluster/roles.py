@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from relibra.plan import Plan
+from rollout.engine import GenerateStats
 from rollout.params import SamplingParams
 from rollout.worker import RolloutWorker, WorkerInfo
 from tppo.algo.batching import Placement, critic_batch, place, policy_batch, split_for_ranks
@@ -112,6 +113,7 @@ class Rollout:
     """The rollout engines: generation is split over them, weights go to all of them."""
 
     ranks: RankGroup
+    num_slots: int = 0  # sequences each engine decodes at once (0: not known)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[Any]:
         """Generate on every engine at once, the requests shared by their expected tokens (`share_by_cost`:
@@ -125,6 +127,10 @@ class Rollout:
             for i, out in zip(share, share_outs, strict=True):
                 outs[i] = out
         return outs
+
+    def last_stats(self) -> list[GenerateStats]:
+        """Every engine's counters of its last generate call (prefill and decode time, decode rows)."""
+        return self.ranks.call(RolloutWorker.last_stats)
 
     def load_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
         self.ranks.call(RolloutWorker.load_weights, None, named_tensors)
@@ -163,7 +169,7 @@ def start_rollout(
     until all are built (or fails with a message naming the role)."""
     args = (str(hf_dir), device, dtype, rollout_cfg, 1 if device == "cpu" else None)
     rollout = Rollout(start_group("rollout", RolloutWorker, [args] * num_workers, remote, placement))
-    rollout.info()
+    rollout.num_slots = rollout.info()[0].num_slots
     return rollout
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from rollout.engine import GenerateStats
 from rollout.params import SamplingParams
 from tppo.algo.batching import select_microbatches, update_schedule
 from tppo.algo.objectives import policy_objective, value_objective
@@ -65,12 +66,12 @@ def rl_step(
         with timer("offload"):
             offload_trainers(roles)
     with timer("rollout"):
-        generate(roles.rollout, batch, cfg, step, stop_ids)
+        stats = generate(roles.rollout, batch, cfg, step, stop_ids)
     metrics |= score(batch, verifier, cfg)
     generated = batch
     if cfg.algo.dynamic_sampling:
         batch, generated, refill = refill_informative(
-            pool, batch, roles, cfg, step, stop_ids, verifier, timer
+            pool, batch, roles, cfg, step, stop_ids, verifier, timer, stats
         )
         metrics |= refill
     if shared:
@@ -80,6 +81,7 @@ def rl_step(
         metrics |= learn(batch, roles, cfg, step, timer)
     outcome = pool.put_back(generated)
     metrics |= rollout_metrics(generated, outcome.retired, timer.seconds["rollout"]) | timer.metrics()
+    metrics |= engine_metrics(stats, roles.rollout.num_slots)
     metrics |= {f"rollout/pool_{k.split('/', 1)[1]}": v for k, v in outcome.metrics().items()}
     return metrics
 
@@ -118,11 +120,13 @@ def refill_informative(
     stop_ids: tuple[int, ...],
     verifier: Verifier,
     timer: PhaseTimer,
+    stats: list[GenerateStats],
 ) -> tuple[list[Sample], list[Sample], dict[str, float]]:
     """DAPO's dynamic sampling: the groups whose rewards are all equal leave the batch before any update, and
     further prompts are generated and scored to refill it, at most algo.dynamic_sampling_rounds times. Returns
     the informative samples (at most algo.batch_size) that train, every sample generated (all go back to the
-    pool, which drops the uninformative groups) and the refill's metrics."""
+    pool, which drops the uninformative groups) and the refill's metrics; the engines' counters of its calls
+    are appended to `stats`."""
     generated, kept, rounds = list(batch), informative_groups(batch), 0
     failures = {"rollout/reward_failures": 0.0, "rollout/reward_timeouts": 0.0}
     while len(kept) < cfg.algo.batch_size and rounds < cfg.algo.dynamic_sampling_rounds:
@@ -130,7 +134,7 @@ def refill_informative(
         if not extra:
             break
         with timer("rollout"):
-            generate(roles.rollout, extra, cfg, step, stop_ids)
+            stats += generate(roles.rollout, extra, cfg, step, stop_ids)
         scored = score(extra, verifier, cfg)
         failures = {k: v + scored.get(k, 0.0) for k, v in failures.items()}
         generated += extra
@@ -151,8 +155,9 @@ def refill_informative(
 
 def generate(
     rollout: Rollout, batch: list[Sample], cfg: ExperimentConfig, step: int, stop_ids: tuple[int, ...]
-) -> None:
-    """One window of every sample of the batch, appended to the sample (with its routing under R3)."""
+) -> list[GenerateStats]:
+    """One window of every sample of the batch, appended to the sample (with its routing under R3); returns the
+    engines' counters of the call."""
     r = cfg.rollout
     params = [
         SamplingParams(
@@ -170,6 +175,22 @@ def generate(
         reason = None if o.finish_reason == "length" else o.finish_reason
         routed = o.routed_experts if cfg.algo.routing_replay == "r3" else None
         s.add_window(o.token_ids, o.logprobs, finish_reason=reason, routed_experts=routed)
+    return rollout.last_stats()
+
+
+def engine_metrics(stats: list[GenerateStats], num_slots: int) -> dict[str, float]:
+    """What the rollout engines spent the step on: prefill and decode seconds (summed over the engines and the
+    step's calls), and how full the decode batches were (rows per decode step, and that over the engine's slots)."""
+    steps = sum(s.num_decode_steps for s in stats)
+    rows = sum(s.num_decode_rows for s in stats)
+    out = {
+        "rollout/prefill_s": float(sum(s.prefill_s for s in stats)),
+        "rollout/decode_s": float(sum(s.decode_s for s in stats)),
+        "rollout/decode_rows_mean": rows / steps if steps else 0.0,
+    }
+    if num_slots:
+        out["rollout/decode_occupancy"] = rows / (steps * num_slots) if steps else 0.0
+    return out
 
 
 def update_critic(

@@ -240,6 +240,7 @@ def test_approx_kl_and_ratio_metrics():
     want_kl = sum(math.exp(x) - 1 - x for x in (0.1, -0.2)) / 2
     assert math.isclose(metrics["tppo/approx_kl"], want_kl, rel_tol=1e-5)
     assert math.isclose(metrics["tppo/ratio_max"], math.exp(0.1), rel_tol=1e-6)
+    assert math.isclose(metrics["tppo/ratio_min"], math.exp(-0.2), rel_tol=1e-6)  # the masked 5.0 is not seen
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -86,3 +86,17 @@ def test_policy_gradient_aggregation_over_micro_batches_matches_the_whole_batch(
     else:
         want = float((per_token.sum(dim=1)[rows] / mask.sum(dim=1)[rows]).mean())
     assert total / denominator == pytest.approx(want, rel=1e-5)
+
+
+def test_entropy_is_reported_without_a_bonus_and_the_loss_ignores_it():
+    logprobs, mask = -torch.rand(2, 4), torch.tensor([[1.0, 1, 0, 0], [1, 1, 1, 0]])
+    entropy = torch.arange(8.0).view(2, 4)
+    batch = _batch(logprobs, None, mask)
+    plain = PolicyObjective(num_window_tokens=5, num_positive_tokens=0)
+    with_entropy = plain(ForwardOutput(logprobs_BT=logprobs, entropy_BT=entropy), batch)
+    without = plain(ForwardOutput(logprobs_BT=logprobs), batch)
+    assert with_entropy.metrics["tppo/entropy"] == pytest.approx((0 + 1 + 4 + 5 + 6) / 5)
+    assert float(with_entropy.loss_sum) == float(without.loss_sum) and "tppo/entropy" not in without.metrics
+    bonus = PolicyObjective(num_window_tokens=5, num_positive_tokens=0, entropy_coef=0.5)
+    out = bonus(ForwardOutput(logprobs_BT=logprobs, entropy_BT=entropy), batch)
+    assert float(out.loss_sum - with_entropy.loss_sum) == pytest.approx(-0.5 * 16 / 5 * 5)

@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from rollout.engine import GenerationOutput
+from rollout.engine import GenerateStats, GenerationOutput
 from tppo.algo.config import AlgoConfig
 from tppo.algo.pool import Prompt, SamplePool
 from tppo.cluster.roles import RankGroup, Rollout, Trainer
@@ -38,6 +38,11 @@ class _Engines:
 
     def load_weights(self, named_tensors):
         return 0
+
+    def last_stats(self):
+        return GenerateStats(
+            num_requests=4, prefill_s=0.5, decode_s=2.0, num_decode_steps=4, num_decode_rows=12
+        )
 
 
 class _Rank:
@@ -93,7 +98,7 @@ def test_dynamic_sampling_trains_only_informative_groups_and_refills_the_batch()
     roles = Roles(
         policy=Trainer(RankGroup("policy", [policy], remote=False), micro_batch_size=2, routing=False),
         critic=Trainer(RankGroup("critic", [critic], remote=False), micro_batch_size=2, routing=False),
-        rollout=Rollout(RankGroup("rollout", [_Engines()], remote=False)),
+        rollout=Rollout(RankGroup("rollout", [_Engines()], remote=False), num_slots=4),
     )
     metrics = rl_step(0, cfg, pool, roles, _verifier, stop_ids=())
     # Prompts 0-3 first: 1 and 3 are informative; each refill asks for the missing items (4, then 2, then 2):
@@ -103,6 +108,9 @@ def test_dynamic_sampling_trains_only_informative_groups_and_refills_the_batch()
     assert metrics["rollout/dynamic_generated"] == 16.0 and metrics["rollout/dynamic_kept"] == 8.0
     assert metrics["rollout/dynamic_refill_rounds"] == 3.0
     assert metrics["rollout/pool_num_dropped"] == 8.0 and metrics["rollout/pool_num_retired"] == 8.0
+    # four generate calls (the batch and three refills), each 12 decode rows over 4 steps of 4 slots
+    assert metrics["rollout/decode_s"] == 8.0 and metrics["rollout/prefill_s"] == 2.0
+    assert metrics["rollout/decode_rows_mean"] == 3.0 and metrics["rollout/decode_occupancy"] == 0.75
     # The bound on over-sampling: one refill round leaves a smaller batch of informative groups.
     bounded = replace(cfg, algo=replace(algo, dynamic_sampling_rounds=1))
     policy.trained_prompts.clear()
