@@ -170,6 +170,29 @@ def test_exact_bootstrap_trains_end_to_end(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.dist
+def test_mini_batches_and_epochs_take_several_clipped_steps(tmp_path):
+    """algo.mini_batches=2 x algo.epochs=2: four optimizer steps per update; after the first the policy has moved
+    from the old one, so the ratio leaves 1 and PPO's clip acts (one step per update never clips)."""
+    done = _run(
+        _cmd(
+            tmp_path,
+            "mb",
+            "algo.mini_batches=2",
+            "algo.epochs=2",
+            "algo.critic_warmup_steps=0",
+            "algo.actor_optim.lr=1e-2",
+            "parallel.micro_batch_size=2",
+            "run.num_steps=2",
+        )
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "mb" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["tppo/optimizer_steps"] == 4 and r["critic/optimizer_steps"] >= 1 for r in rows)
+    assert all(r["tppo/ratio_max"] > 1.0 for r in rows) and any(r["tppo/clip_fraction"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
 def test_bad_override_fails_before_anything_starts(tmp_path):
     result = _run(_cmd(tmp_path, "bad", "algo.window=0"), timeout=120)
     assert result.returncode == 2
