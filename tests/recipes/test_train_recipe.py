@@ -19,6 +19,8 @@ VOLATILE = (
     "time",
     "perf/",
     "rollout/tokens_per_s",
+    "rollout/prefill_s",
+    "rollout/decode_s",
     "relibra/planner_s",
     "relibra/exec_apply_s",
     "relibra/exec_expert_fwd_ms",
