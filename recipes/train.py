@@ -16,6 +16,7 @@ from tppo.config import ExperimentConfig
 
 @recipe("train")
 def main(cfg: ExperimentConfig) -> None:
+    from tppo.base.checkpoint import CheckpointError
     from tppo.cluster.roles import RoleError
     from tppo.loop.run import run_dir, train
 
@@ -23,6 +24,8 @@ def main(cfg: ExperimentConfig) -> None:
         summary = train(cfg)
     except RoleError as err:
         fail(f"training stopped: {err}")
+    except CheckpointError as err:
+        fail(f"cannot resume: {err}")
     print(json.dumps(summary, indent=2))
     print(f"run directory: {run_dir(cfg)}")
 

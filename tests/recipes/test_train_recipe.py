@@ -124,6 +124,36 @@ def test_default_recipe_runs_and_resumes_after_kill(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.dist
+def test_a_torn_newest_checkpoint_resumes_from_the_one_before(tmp_path):
+    """A shard of the newest checkpoint cut short (a copy that broke off, a full disk): the re-run says which
+    checkpoint it skips and why, resumes from the one before and finishes the run."""
+    cmd = _cmd(tmp_path, "torn", "run.num_steps=4")
+    first = _run(cmd)
+    assert first.returncode == 0, first.stderr[-3000:]
+    shard = tmp_path / "torn" / "checkpoints" / "step_000003" / "policy_rank1.pt"
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: size // 3])
+    again = _run(cmd)
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = again.stdout + again.stderr
+    assert (
+        f"skipping checkpoint {shard.parent}: policy_rank1.pt has {size // 3} bytes, {size} were written"
+        in said
+    )
+    assert f"resuming from {shard.parent.parent / 'step_000001'} (step 1)" in said
+    rows = [json.loads(line) for line in (tmp_path / "torn" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    # Every checkpoint unusable: refused with one line, the run's files left as they are.
+    for ckpt in (tmp_path / "torn" / "checkpoints").glob("step_*"):
+        (ckpt / "driver.pt").write_bytes(b"not a checkpoint")
+    refused = _run(cmd)
+    assert refused.returncode != 0 and "error: cannot resume: no usable checkpoint in" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert len((tmp_path / "torn" / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.dist
 def test_kl_penalty_runs_a_frozen_reference_policy(tmp_path):
     """With algo.kl_coef a reference role holds the policy as RL starts: the first update sees KL = 0 (same weights,
     same replayed routing), the second a positive KL; the reference is written once into the run directory."""

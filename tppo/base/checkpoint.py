@@ -4,6 +4,7 @@
         driver.pt                             pool (with every in-flight response), data position, RNG, step
         policy_rank0.pt, critic_rank0.pt ...  each trainer rank's model + optimizer shard
         policy_hf/                            the policy as a Hugging Face checkpoint (eval, serving)
+        MANIFEST.json                         the size of every file above
         COMPLETE                              written last, before the rename
     <run_dir>/checkpoints/latest              the name of the newest complete checkpoint (replaced atomically)
 
@@ -15,9 +16,12 @@ The file system must be shared by all ranks (as on any Slurm cluster with a shar
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,6 +30,7 @@ import numpy as np
 import torch
 
 COMPLETE = "COMPLETE"
+MANIFEST = "MANIFEST.json"  # every file's size, written before COMPLETE
 POLICY_HF = "policy_hf"  # the policy exported as a Hugging Face checkpoint
 LATEST = "latest"
 
@@ -87,7 +92,11 @@ def save_file(obj: Any, path: Path) -> None:
 
 
 def commit(ckpt: CheckpointDir, keep: int) -> Path:
-    """Publish a fully written checkpoint: marker, rename, swap `latest`, then prune old ones (keep >= 1)."""
+    """Publish a fully written checkpoint: manifest, marker, rename, swap `latest`, then prune old ones."""
+    sizes = {
+        str(f.relative_to(ckpt.tmp)): f.stat().st_size for f in sorted(ckpt.tmp.rglob("*")) if f.is_file()
+    }
+    (ckpt.tmp / MANIFEST).write_text(json.dumps(sizes, indent=0))
     (ckpt.tmp / COMPLETE).write_text(str(ckpt.step))
     _fsync_dir(ckpt.tmp)
     if ckpt.final.exists():  # a re-run of the same step after a resume: replace it
@@ -102,26 +111,82 @@ def commit(ckpt: CheckpointDir, keep: int) -> Path:
     return ckpt.final
 
 
-def latest(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under `root`, or None. Falls back to scanning if `latest` is stale."""
-    root = Path(root)
-    pointer = root / LATEST
-    if pointer.exists():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / COMPLETE).exists():
-            return candidate
-    complete = sorted(p for p in root.glob("step_*") if p.is_dir() and (p / COMPLETE).exists())
-    return complete[-1] if complete else None
+def complete(root: str | Path) -> list[Path]:
+    """The complete checkpoints under `root`, newest first."""
+    found = [p for p in Path(root).glob("step_*") if p.is_dir() and (p / COMPLETE).exists()]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def problem(ckpt: Path) -> str | None:
+    """Why the checkpoint `ckpt` cannot be used (a file of its manifest missing or of another size: a torn copy,
+    a full disk), or None."""
+    if not (ckpt / COMPLETE).exists():
+        return "it is incomplete (no COMPLETE marker)"
+    manifest = ckpt / MANIFEST
+    if not manifest.exists():
+        return None  # written before manifests were kept: the marker is all there is to check
+    try:
+        sizes = json.loads(manifest.read_text())
+    except ValueError:
+        return f"its {MANIFEST} is unreadable"
+    for name, size in sizes.items():
+        f = ckpt / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def latest(root: str | Path, on_skip: Callable[[Path, str], None] | None = None) -> Path | None:
+    """The newest complete checkpoint under `root` whose files are whole (`problem`), or None; each newer one
+    it passes over is reported to `on_skip` with the reason."""
+    for ckpt in complete(root):
+        why = problem(ckpt)
+        if why is None:
+            return ckpt
+        if on_skip is not None:
+            on_skip(ckpt, why)
+    return None
 
 
 def step_of(path: Path) -> int:
     return int((path / COMPLETE).read_text())
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file that is not checkpoint data: loading it could run code, so it is refused."""
+
+
+def _numpy_types() -> list[Any]:
+    """What NumPy arrays unpickle through: its array reconstructor, ndarray, dtype, the dtype classes and bytes
+    (an array's raw data)."""
+    core = getattr(np, "_core", None) or np.core
+    dtypes = [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")]
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, *dtypes, bytes]
+
+
+# Checkpoints hold tensors, numbers, strings, containers and NumPy arrays: nothing that runs code when loaded.
+SAFE_TYPES = _numpy_types()
+
+
 def load_file(path: Path) -> Any:
+    """A file `save_file` wrote, loaded without running any code it might carry: torch's weights-only unpickler
+    with NumPy arrays allowed. Anything else (a class, a function to call) raises CheckpointError."""
     if not path.exists():
         raise FileNotFoundError(f"checkpoint file {path} is missing: the checkpoint is incomplete")
-    return _owned(torch.load(path, map_location="cpu", weights_only=False))
+    try:
+        with torch.serialization.safe_globals(SAFE_TYPES):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = next(
+            (line.strip() for line in str(err).splitlines() if "GLOBAL" in line or "got <" in line), ""
+        )
+        raise CheckpointError(
+            f"{path} is refused: it holds more than tensors, numbers, strings and arrays, and loading it could run "
+            f"code ({found or 'an object the weights-only loader does not build'})"
+        ) from None
+    return _owned(obj)
 
 
 def _owned(obj: Any) -> Any:

@@ -88,11 +88,14 @@ class MetricsLogger:
         """Keep the records up to `step` so a resumed run appends where its checkpoint left off."""
         if not self.path.exists():
             return
-        kept = [
-            line
-            for line in self.path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
-        ]
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line torn by a kill mid-write: its step is after the checkpoint anyway
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(line)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         os.replace(tmp, self.path)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from relibra.plan import Plan
+from rollout.config import RolloutConfig
 from rollout.engine import GenerateStats
 from rollout.params import SamplingParams
 from rollout.worker import RolloutWorker, WorkerInfo
@@ -160,7 +161,7 @@ def start_rollout(
     hf_dir: Path,
     device: str,
     dtype: str,
-    rollout_cfg: Any,
+    rollout_cfg: RolloutConfig,
     num_workers: int,
     remote: bool,
     placement: Reservation | None = None,

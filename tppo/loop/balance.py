@@ -152,11 +152,19 @@ class LoadPlanner:
         return StepPlan(plan, loads, out)
 
     def state_dict(self) -> dict[str, Any]:
-        """The placement the planner continues from and the routed load so far (the report's expert load)."""
-        return {"state": self.state, "expert_load_LE": self.expert_load_LE}
+        """The placement the planner continues from and the routed load so far (the report's expert load), as
+        plain arrays and numbers."""
+        s = self.state
+        return {
+            "home_LE": s.home_LE,
+            "history_LE": s.history_LE,
+            "num_steps": s.num_steps,
+            "expert_load_LE": self.expert_load_LE,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.state, self.expert_load_LE = state["state"], state["expert_load_LE"]
+        self.state = PlannerState(state["home_LE"], state["history_LE"], int(state["num_steps"]))
+        self.expert_load_LE = state["expert_load_LE"]
 
     def refused(self) -> None:
         """The trainer could not apply the last plan: its placement did not change, so neither does ours."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import pickle
 import random
 import time
 from dataclasses import dataclass, field
@@ -35,6 +37,8 @@ from tppo.loop.balance import LoadPlanner, executor_spec, relibra_applies
 from tppo.loop.driver import Roles, offload_trainers, rl_step
 from tppo.loop.report import History, summarize, write_plots
 from tppo.loop.tasks import Task, build_task
+
+_log = logging.getLogger(__name__)
 
 
 def run_dir(cfg: ExperimentConfig) -> Path:
@@ -119,18 +123,36 @@ def _save(cfg: ExperimentConfig, roles: Roles, step: int, state: DriverState) ->
 
 
 def _resume(cfg: ExperimentConfig, roles: Roles, state: DriverState) -> int | None:
-    """The step of the last complete checkpoint, with every shard and driver state loaded from it (None: none)."""
-    last = checkpoint.latest(run_dir(cfg) / "checkpoints")
-    if last is None:
-        return None
-    for role, trainer in (("policy", roles.policy), ("critic", roles.critic)):
-        trainer.load([last / f"{role}_rank{r}.pt" for r in range(trainer.ranks.size)])
-    saved = checkpoint.load_file(last / "driver.pt")
-    for name, part in state.parts().items():
-        # A run whose planner was off when it saved continues with a fresh one.
-        if name in saved:
-            part.load_state_dict(saved[name])
-    return saved["step"]
+    """The step of the newest usable checkpoint, with every shard and the driver's state loaded from it (None:
+    none). A newer checkpoint that is torn (a file missing or short) or whose driver state cannot be loaded is
+    skipped with a one-line warning saying why."""
+    skipped = []
+    for ckpt in checkpoint.complete(run_dir(cfg) / "checkpoints"):
+        why = checkpoint.problem(ckpt)
+        saved = None
+        if why is None:
+            try:
+                saved = checkpoint.load_file(ckpt / "driver.pt")
+            except (checkpoint.CheckpointError, pickle.UnpicklingError, EOFError, RuntimeError) as err:
+                why = f"driver.pt cannot be loaded ({str(err).splitlines()[0]})"
+        if why is not None:
+            _log.warning("skipping checkpoint %s: %s", ckpt, why)
+            skipped.append(ckpt.name)
+            continue
+        for role, trainer in (("policy", roles.policy), ("critic", roles.critic)):
+            trainer.load([ckpt / f"{role}_rank{r}.pt" for r in range(trainer.ranks.size)])
+        for name, part in state.parts().items():
+            # A run whose planner was off when it saved continues with a fresh one.
+            if name in saved:
+                part.load_state_dict(saved[name])
+        _log.warning("resuming from %s (step %d)", ckpt, saved["step"])
+        return saved["step"]
+    if skipped:  # starting afresh would overwrite the run's metrics and prune its checkpoints
+        raise checkpoint.CheckpointError(
+            f"no usable checkpoint in {run_dir(cfg) / 'checkpoints'} (skipped {', '.join(skipped)}, see above): move "
+            "the run directory away or pick a new run.name"
+        )
+    return None
 
 
 def train(cfg: ExperimentConfig) -> dict[str, Any]:

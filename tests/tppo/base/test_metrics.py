@@ -38,6 +38,19 @@ def test_jsonl_records_and_resume_truncation(tmp_path):
     assert [(r["step"], r["tppo/loss"]) for r in records] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
 
 
+def test_resume_tolerates_a_line_torn_by_a_kill(tmp_path):
+    cfg = LoggingConfig(wandb="disabled")
+    with MetricsLogger(tmp_path, cfg, "t") as log:
+        for step in range(3):
+            log.log({"tppo/loss": float(step)}, step=step)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "tppo/lo')  # killed mid-write
+    with MetricsLogger(tmp_path, cfg, "t", resume_step=1) as log:
+        log.log({"tppo/loss": 20.0}, step=2)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["tppo/loss"]) for r in records] == [(0, 0.0), (1, 1.0), (2, 20.0)]
+
+
 def test_fresh_run_starts_a_new_file(tmp_path):
     cfg = LoggingConfig(wandb="disabled")
     with MetricsLogger(tmp_path, cfg, "t") as log:
