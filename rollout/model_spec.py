@@ -48,15 +48,6 @@ class MoeModelSpec:
         return sum(self.moe_layers)
 
     @property
-    def moe_layer_index(self) -> tuple[int, ...]:
-        """For each decoder layer, its index among the MoE layers (-1 for dense layers)."""
-        out, n = [], 0
-        for is_moe in self.moe_layers:
-            out.append(n if is_moe else -1)
-            n += int(is_moe)
-        return tuple(out)
-
-    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 

@@ -150,10 +150,6 @@ def latest(root: str | Path, on_skip: Callable[[Path, str], None] | None = None)
     return None
 
 
-def step_of(path: Path) -> int:
-    return int((path / COMPLETE).read_text())
-
-
 class CheckpointError(ValueError):
     """A checkpoint file that is not checkpoint data: loading it could run code, so it is refused."""
 

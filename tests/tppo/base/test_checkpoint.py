@@ -22,7 +22,7 @@ def _save(root, step, payload, keep=2):
 def test_commit_publishes_and_latest_finds_it(tmp_path):
     path = _save(tmp_path, 3, {"x": 1})
     assert checkpoint.latest(tmp_path) == path
-    assert checkpoint.step_of(path) == 3
+    assert (path / checkpoint.COMPLETE).read_text() == "3"
     assert checkpoint.load_file(path / "driver.pt") == {"x": 1}
 
 
