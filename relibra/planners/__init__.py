@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from relibra.cost_model import ideal_step_cost
+from relibra.cost_model import StepCost, ideal_step_cost, step_cost
 from relibra.plan import IdealPlan, Plan, PlannerState, static_home_LE
 from relibra.planners.base import PlanContext, PlannerFn, check_loads, home_plan, next_state, previous_home
 from relibra.planners.eplb import eplb_plan
@@ -36,7 +36,14 @@ from relibra.planners.reorder import (
 from relibra.planners.replicate import replicated_plan
 from tppo.base.registry import Registry
 
-__all__ = ["PARALLEL_PLANNERS", "PLANNERS", "PlanContext", "PlannerFn", "run_planner"]
+__all__ = [
+    "PARALLEL_PLANNERS",
+    "PLANNERS",
+    "PlanContext",
+    "PlannerFn",
+    "no_worse_than_keeping",
+    "run_planner",
+]
 
 PLANNERS: Registry[PlannerFn] = Registry("relibra planner")
 
@@ -44,6 +51,20 @@ PLANNERS: Registry[PlannerFn] = Registry("relibra planner")
 def run_planner(name: str, loads_MLSE: np.ndarray, ctx: PlanContext, state: PlannerState):
     """Look up `name` and plan one step; returns (plan, next_state)."""
     return PLANNERS.get(name)(check_loads(loads_MLSE, ctx.topo), ctx, state)
+
+
+def no_worse_than_keeping(
+    plan: Plan, loads_MLSE: np.ndarray, ctx: PlanContext, prev_home_LE: np.ndarray
+) -> tuple[Plan, StepCost, bool]:
+    """`plan`, or the plan that keeps the current placement `prev_home_LE` (no migration, no replicas) when the
+    cost model prices `plan` (its migration included) no faster; returns the chosen plan, its cost and whether
+    the placement was kept. A planner can always stay where it is, so no applied plan is slower than that."""
+    cost = step_cost(plan, loads_MLSE, ctx.topk, ctx.topo, ctx.cost, prev_home_LE)
+    keep = home_plan(loads_MLSE, prev_home_LE, ctx.topo)
+    keep_cost = step_cost(keep, loads_MLSE, ctx.topk, ctx.topo, ctx.cost, prev_home_LE)
+    if keep_cost.moe_us <= cost.moe_us:
+        return keep, keep_cost, True
+    return plan, cost, False
 
 
 @PLANNERS.register("static")

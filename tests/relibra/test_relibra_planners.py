@@ -16,8 +16,8 @@ from relibra.config import RelibraConfig
 from relibra.cost_model import CostModel, ideal_step_cost, step_cost
 from relibra.loads import loads_from_vllm_logs
 from relibra.plan import IdealPlan, Plan, PlannerState, Topology, home_slots_LGH, static_home_LE
-from relibra.planners import PLANNERS, PlanContext, run_planner
-from relibra.planners.base import home_quota_MLGHS
+from relibra.planners import PLANNERS, PlanContext, no_worse_than_keeping, run_planner
+from relibra.planners.base import home_plan, home_quota_MLGHS
 from relibra.planners.eplb import eplb_rebalance, replicate_experts
 from relibra.planners.packing import balanced_packing
 from relibra.planners.reorder import (
@@ -523,3 +523,25 @@ def test_floors_keep_the_step_time():
         c = step_cost(plan, loads, 4, topo, COST, home)
         cost[name] = c.compute_us + c.alltoall_us
     assert cost["floors"] <= cost["node targets"] * 1.001
+
+
+def test_a_plan_priced_no_faster_than_keeping_the_placement_is_not_applied():
+    """Uniform loads: moving away from the current placement only adds migration, so the static placement (a
+    move, from a permuted current one) is replaced by keeping the current one; on skewed loads where the current
+    placement stacks the hot experts on one GPU, ReLibra's plan beats keeping it and is applied."""
+    topo = Topology(4, 2, 8, 1)
+    ctx = PlanContext(topo, RelibraConfig(min_replica_tokens=0), COST, 2)
+    uniform = np.full((2, 2, 4, 8), 64, dtype=np.int64)
+    current = np.stack([np.roll(static_home_LE(2, topo)[0], 1)] * 2)
+    static, _ = run_planner("static", uniform, ctx, PlannerState(home_LE=current))
+    assert not np.array_equal(static.home_LE, current)
+    chosen, cost, kept = no_worse_than_keeping(static, uniform, ctx, current)
+    assert kept and np.array_equal(chosen.home_LE, current) and cost.migration_bytes == 0
+    assert cost.moe_us < step_cost(static, uniform, 2, topo, COST, current).moe_us
+    skewed = np.full((2, 2, 4, 8), 8, dtype=np.int64)
+    skewed[..., :2] = 400  # experts 0 and 1 both live on GPU 0 under the static placement
+    home = static_home_LE(2, topo)
+    plan, _ = run_planner("relibra", skewed, ctx, PlannerState(home_LE=home))
+    chosen, cost, kept = no_worse_than_keeping(plan, skewed, ctx, home)
+    assert not kept and chosen is plan
+    assert cost.moe_us < step_cost(home_plan(skewed, home, topo), skewed, 2, topo, COST, home).moe_us

@@ -3,17 +3,21 @@
 The routing that the policy update replays (R3: the rollout's; R2: the trainer's own old-log-prob pass) and the
 deterministic placement of samples on (data-parallel rank, micro-batch) give D[m, l, s, e] before the update
 runs. The planner registered under `relibra.planner` plans it; the simulator prices the static placement and the
-plan, and the step reports skew and simulated MoE speed-up under `relibra/`. The policy's ranks apply the plan
-with relibra.executor around the update (tppo.cluster.workers); what they measured comes back as `relibra/exec_*`.
+plan, and the step reports skew and simulated MoE speed-up under `relibra/`. A plan the simulator prices no faster
+than keeping the current placement (its migration included) is replaced by keeping it (`relibra/kept_placement`).
+The policy's ranks apply the plan with relibra.executor around the update (tppo.cluster.workers); what they
+measured comes back as `relibra/exec_*`.
 
 The loads count padding too (the experts compute it): the engine pads every micro-batch to the shape its routers
-run, and `tppo.engine.layout` says how (the engine uses the same rule), so the plan's quotas cover exactly the pairs each rank routes.
+run, and `tppo.engine.layout` says how (the engine uses the same rule), so the plan's quotas cover exactly the pairs
+each rank routes.
 
 Legend: M micro-batches, L MoE layers, S source (EP) ranks, E experts, B rows, T tokens, K top-k.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,7 +29,7 @@ import numpy as np
 from relibra.config import RelibraConfig
 from relibra.cost_model import CostModel, step_cost
 from relibra.plan import Plan, PlannerState, Topology, static_home_LE
-from relibra.planners import PARALLEL_PLANNERS, PlanContext, run_planner
+from relibra.planners import PARALLEL_PLANNERS, PlanContext, no_worse_than_keeping, run_planner
 from relibra.planners.parallel import start_workers
 from tppo.cluster.workers import ExecutorSpec
 from tppo.config import ExperimentConfig
@@ -141,8 +145,11 @@ class LoadPlanner:
         }
         if not isinstance(plan, Plan):
             return StepPlan(None, loads, out)
-        cost = step_cost(plan, loads, self.ctx.topk, self.topo, self.ctx.cost, prev_home)
+        plan, cost, kept = no_worse_than_keeping(plan, loads, self.ctx, prev_home)
+        if kept:
+            self.state = dataclasses.replace(self.state, home_LE=prev_home)
         out |= {
+            "relibra/kept_placement": float(kept),
             "relibra/skew_planned": _mean(cost.skew_ML),
             "relibra/skew_max_planned": _max(cost.skew_ML),
             "relibra/sim_moe_speedup": static_cost.moe_us / max(cost.moe_us, 1e-9),

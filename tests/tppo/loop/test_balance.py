@@ -10,6 +10,10 @@ import pytest
 import torch
 
 from relibra.config import RelibraConfig
+from relibra.cost_model import step_cost
+from relibra.plan import PlannerState, static_home_LE
+from relibra.planners import run_planner
+from relibra.planners.base import home_plan
 from tppo.algo.batching import place, policy_batch, select_microbatches, split_for_ranks, update_schedule
 from tppo.algo.objectives import supervised_objective
 from tppo.algo.pool import Sample
@@ -108,15 +112,23 @@ def test_policy_update_applies_the_plan_and_matches_the_static_update(tmp_path: 
         shards = [tmp_path / f"rank{r}.pt" for r in range(2)]
         policy.save(shards)
 
-        step_plan = planner.plan(batches)
-        assert step_plan.plan is not None
-        planned = step_plan.metrics
-        assert planned["relibra/skew_planned"] < planned["relibra/skew_static"]
-        result = policy.train(batches, supervised_objective(batches), step_plan.plan, step_plan.loads_MLSE)
+        # ReLibra's own plan, not the adapter's choice: at these few tokens the cost model prices keeping the
+        # placement faster, and the executor must be shown moving and replicating experts.
+        loads = loads_from_batches(batches, planner.layout, E)
+        plan, _ = run_planner("relibra", loads, planner.ctx, PlannerState())
+        static_home = static_home_LE(NUM_LAYERS, planner.topo)
+
+        def skew(p) -> float:
+            return float(
+                np.nanmean(step_cost(p, loads, K, planner.topo, planner.ctx.cost, static_home).skew_ML)
+            )
+
+        assert skew(plan) < skew(home_plan(loads, static_home, planner.topo))
+        result = policy.train(batches, supervised_objective(batches), plan, loads)
         m = result.metrics
         assert m["relibra/exec_refused"] == 0.0 and result.plan_applied is True
         assert m["relibra/exec_migrated_experts"] + m["relibra/exec_replicas_per_mb_layer"] > 0
-        assert m["relibra/exec_skew_measured"] == pytest.approx(planned["relibra/skew_planned"], rel=1e-9)
+        assert m["relibra/exec_skew_measured"] == pytest.approx(skew(plan), rel=1e-9)
         with_plan = policy.forward(batches)
 
         policy.load(shards)  # back to the static placement and the old weights
@@ -231,3 +243,23 @@ def test_planner_takes_the_configured_nic_routing():
     assert pxn.ctx.cost.nic_routing == "pxn"
     with pytest.raises(ConfigError, match="nic_routing"):
         check_fields(dataclasses.replace(cfg, nic_routing="rail"))
+
+
+def test_the_planner_keeps_the_placement_when_its_plan_is_no_faster():
+    """A few dozen tokens per micro-batch (as here): every copy or move costs more than it saves under the cost
+    model, so the step keeps the current (static) placement, says so, and plans on from it."""
+    rng = np.random.default_rng(2)
+    samples = [_sample(str(i), 12, rng, hot=True) for i in range(4)]
+    planner = LoadPlanner(
+        dataclasses.replace(RelibraConfig(), gpus_per_node=2, replica_slots=1, min_replica_tokens=0),
+        ModelConfig(num_experts=E, moe_topk=K),
+        RouterLayout(ep=2, aligned=True),
+    )
+    step = planner.plan(_batches(samples, ranks=2, mbs=2))
+    assert step.metrics["relibra/kept_placement"] == 1.0
+    assert (
+        step.metrics["relibra/sim_moe_speedup"] == pytest.approx(1.0)
+        and step.metrics["relibra/migration_bytes"] == 0
+    )
+    np.testing.assert_array_equal(planner.state.home_LE, static_home_LE(NUM_LAYERS, planner.topo))
+    np.testing.assert_array_equal(step.plan.home_LE, planner.state.home_LE)
