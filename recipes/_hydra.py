@@ -82,14 +82,19 @@ def compose(config_name: str = "train", overrides: Sequence[str] = (), schema: S
 
 
 def unknown_override_key(override: str, root: type = ExperimentConfig) -> str | None:
-    """Say what is wrong with `a.b=v` when `a.b` is no field of the schema (group choices pass through).
+    """Say what is wrong with `a.b=v` (or `+a.b=v`) when `a.b` is no field of the schema (group choices pass
+    through).
 
     Hydra would reject such a key too, but without naming the keys that exist; this names them and the
     closest match.
     """
-    if override.startswith(("+", "~", "hydra.", "hydra/")) or "=" not in override:
+    # `+key=v` / `++key=v` add or force a key: a typo there would be dropped without a word, so check it too.
+    override = override.lstrip("+")
+    if override.startswith(("~", "hydra.", "hydra/")) or "=" not in override:
         return None
     key = override.split("=", 1)[0]
+    if "@" in key:  # group@package: a config group placed elsewhere
+        return None
     node: Any = root
     path: list[str] = []
     for part in key.split("."):

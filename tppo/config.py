@@ -11,6 +11,7 @@ Only tppo.loop and recipes/ import this module.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from relibra.config import RelibraConfig
@@ -195,4 +196,14 @@ def _eval_rules(c: ExperimentConfig) -> str | None:
     return None
 
 
-_CROSS_FIELD_RULES = (_model_rules, _parallel_rules, _algo_rules, _cluster_rules, _eval_rules)
+def _run_rules(c: ExperimentConfig) -> str | None:
+    name = c.run.name
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        return (
+            f"run.name={name!r} must be a plain name (letters, digits, '.', '_', '-'; no path): the run directory "
+            f"is {c.run.output_dir}/<run.name>"
+        )
+    return None
+
+
+_CROSS_FIELD_RULES = (_run_rules, _model_rules, _parallel_rules, _algo_rules, _cluster_rules, _eval_rules)

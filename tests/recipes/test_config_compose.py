@@ -82,6 +82,10 @@ def test_typed_values_arrive_as_python_types():
         ("algo.mini_batches=0", "algo.mini_batches=0 is not allowed: expected a value >= 1"),
         ("algo.epochs=0", "algo.epochs=0 is not allowed: expected a value >= 1"),
         ("algo.dynamic_sampling=true", "algo.dynamic_sampling needs whole responses"),
+        ("+algo.windw=4", "unknown key 'algo.windw': .* did you mean algo.window?"),
+        ("++algo.windw=4", "unknown key 'algo.windw'"),
+        ("run.name=../../x", "run.name='../../x' must be a plain name"),
+        ("run.name=a/b", "run.name='a/b' must be a plain name"),
     ],
 )
 def test_bad_values_raise_config_error_naming_the_key(override, expected):
