@@ -111,11 +111,17 @@ def test_default_recipe_runs_and_resumes_after_kill(tmp_path):
     deadline = time.time() + 600
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
+    still_running = proc.poll() is None
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert marker.exists(), "the run never wrote its first checkpoint"
+    # The kill landed mid-run: the run had not finished, nor logged or saved its last step.
+    assert still_running, "the run finished before the kill: nothing would be resumed"
+    logged = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
+    assert len(logged) < 5 and not (tmp_path / "killed" / "checkpoints" / "step_000004").exists()
     resumed = _run(cmd)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout + resumed.stderr
     rows = _comparable(tmp_path / "killed" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     for a, b in zip(rows, ref_rows):
