@@ -15,12 +15,15 @@ paper leaves open.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from rollout.engine import GenerateStats
 from rollout.params import SamplingParams
 from tppo.algo.batching import select_microbatches, update_schedule
+from tppo.algo.config import AlgoConfig
 from tppo.algo.objectives import policy_objective, value_objective
 from tppo.algo.pool import Sample, SamplePool
 from tppo.algo.stages import (
@@ -202,13 +205,7 @@ def update_critic(
         return {}
     with timer("critic_update"):
         critic_in = critic.critic_batches(finished, cfg.algo.gamma)
-        schedule = update_schedule(
-            len(critic_in[0]),
-            cfg.algo.mini_batches,
-            cfg.algo.epochs,
-            update_rng(cfg.run.seed, step, "critic"),
-        )
-        objectives = [value_objective(cfg.algo, select_microbatches(critic_in, s)) for s in schedule]
+        schedule, objectives = optimizer_steps(critic_in, value_objective, cfg, step, "critic")
         metrics = update_metrics("critic", critic.update(critic_in, objectives, schedule))
     if cfg.cluster.time_shared:
         with timer("offload"):
@@ -240,13 +237,7 @@ def update_policy(
     step_plan = finish_plan(planning, timer)
     plan = step_plan.plan if step_plan is not None else None
     with timer("policy_update"):
-        schedule = update_schedule(
-            len(policy_in[0]),
-            cfg.algo.mini_batches,
-            cfg.algo.epochs,
-            update_rng(cfg.run.seed, step, "policy"),
-        )
-        objectives = [policy_objective(cfg.algo, select_microbatches(policy_in, s)) for s in schedule]
+        schedule, objectives = optimizer_steps(policy_in, policy_objective, cfg, step, "policy")
         loads = step_plan.loads_MLSE if plan is not None else None
         results = roles.policy.update(None, objectives, schedule, plan, loads)
         metrics |= update_metrics("tppo", results)
@@ -255,6 +246,20 @@ def update_policy(
     if results[-1].plan_applied is False:
         roles.planner.refused()
     return metrics
+
+
+def optimizer_steps(
+    batches: RankBatches,
+    objective: Callable[[AlgoConfig, RankBatches], Any],
+    cfg: ExperimentConfig,
+    step: int,
+    role: str,
+) -> tuple[list[list[int]], list[Any]]:
+    """One update's optimizer steps (algo.mini_batches x algo.epochs, shuffled per epoch) and each step's
+    objective, built over the micro-batches it trains."""
+    rng = update_rng(cfg.run.seed, step, role)
+    schedule = update_schedule(len(batches[0]), cfg.algo.mini_batches, cfg.algo.epochs, rng)
+    return schedule, [objective(cfg.algo, select_microbatches(batches, s)) for s in schedule]
 
 
 def offload_trainers(roles: Roles) -> None:

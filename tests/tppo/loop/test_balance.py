@@ -50,6 +50,15 @@ def _batches(samples: list[Sample], ranks: int, mbs: int):
     ]
 
 
+def _policy_with_planner(cfg: ExperimentConfig, optim: OptimConfig) -> tuple[Trainer, LoadPlanner]:
+    """Two EP policy ranks (Ray actors) with ReLibra's executor, and the loop's planner for them."""
+    group = start_trainers(
+        "policy", cfg.model, cfg.parallel, optim, 2, seed=0, total_steps=8, executor=executor_spec(cfg)
+    )
+    policy = Trainer(group, micro_batch_size=2, routing=True)
+    return policy, LoadPlanner(cfg.relibra, cfg.model, policy.router_layout())
+
+
 def _real_pairs(samples: list[Sample], layer: int) -> np.ndarray:
     """Brute force over the samples' own records: the real tokens' (token, expert) pairs of one layer."""
     counts = np.zeros(E, dtype=np.int64)
@@ -96,18 +105,7 @@ def test_policy_update_applies_the_plan_and_matches_the_static_update(tmp_path: 
     rng = np.random.default_rng(1)
     samples = [_sample(str(i), int(n), rng, hot=True) for i, n in enumerate(rng.integers(8, 24, 8))]
     with ray_session(ClusterConfig(object_store_mb=100, cpus_per_node=2)):
-        group = start_trainers(
-            "policy",
-            cfg.model,
-            cfg.parallel,
-            cfg.algo.actor_optim,
-            2,
-            seed=0,
-            total_steps=4,
-            executor=executor_spec(cfg),
-        )
-        policy = Trainer(group, micro_batch_size=2, routing=True)
-        planner = LoadPlanner(cfg.relibra, cfg.model, policy.router_layout())
+        policy, planner = _policy_with_planner(cfg, cfg.algo.actor_optim)
         batches = policy.policy_batches(samples, [np.zeros(s.num_response_tokens) for s in samples])
         shards = [tmp_path / f"rank{r}.pt" for r in range(2)]
         policy.save(shards)
@@ -153,18 +151,7 @@ def test_mini_batch_epochs_under_the_plan_equal_a_plain_loop_of_static_updates(t
     samples = [_sample(str(i), int(n), rng, hot=True) for i, n in enumerate(rng.integers(8, 24, 12))]
     optim = OptimConfig(lr=1e-2, grad_clip=0.0)  # steps large enough to tell the steps' order apart
     with ray_session(ClusterConfig(object_store_mb=100, cpus_per_node=2)):
-        group = start_trainers(
-            "policy",
-            cfg.model,
-            cfg.parallel,
-            optim,
-            2,
-            seed=0,
-            total_steps=8,
-            executor=executor_spec(cfg),
-        )
-        policy = Trainer(group, micro_batch_size=2, routing=True)
-        planner = LoadPlanner(cfg.relibra, cfg.model, policy.router_layout())
+        policy, planner = _policy_with_planner(cfg, optim)
         batches = policy.policy_batches(samples, [np.zeros(s.num_response_tokens) for s in samples])
         assert len(batches[0]) == 3
         shards = [tmp_path / f"rank{r}.pt" for r in range(2)]
