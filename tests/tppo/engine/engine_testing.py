@@ -234,3 +234,26 @@ def layout_worker(
         routed=[o.routed_experts_BTLK for o in outs],
         grads=hf_gradients(engine),
     )
+
+
+def replay_worker(rank: int, ckpt: str, sequences: list) -> list:
+    """One rank of an EP=2 engine (world 2): for each (token ids, rollout routes [T, L, K], temperature), the
+    experts its own router picks and the log-probs under the replayed routes (both ranks run every sequence)."""
+    from tppo.engine.batch import TrainBatch
+    from tppo.engine.config import OptimConfig, ParallelConfig
+    from tppo.engine.convert import model_config_from_hf
+    from tppo.engine.engine import MegatronEngine
+
+    engine = MegatronEngine(
+        model_config_from_hf(ckpt), ParallelConfig(expert_parallel=2), OptimConfig(), optimizer="none"
+    )
+    out = []
+    for ids, routes, temperature in sequences:
+        batch = TrainBatch(input_ids_BT=torch.tensor([ids]), temperature=temperature)
+        recorded = engine.forward([batch], record_routing=True)[0].routed_experts_BTLK[0]
+        replay = TrainBatch(
+            input_ids_BT=torch.tensor([ids]), routed_experts_BTLK=routes[None], temperature=temperature
+        )
+        logprobs = engine.forward([replay], require_replay=True)[0].logprobs_BT[0]
+        out.append((recorded.long().cpu(), logprobs.cpu()))
+    return out

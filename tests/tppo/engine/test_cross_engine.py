@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_testing import make_hf_checkpoint
+from engine_testing import make_hf_checkpoint, replay_worker, run_ranks
 
 from rollout.config import RolloutConfig
 from rollout.engine import RolloutEngine
@@ -62,3 +62,23 @@ def test_trainer_routes_like_the_rollout_and_replays_to_its_logprobs(engines, te
             )
             logprobs = trainer.forward([replayed], require_replay=True)[0].logprobs_BT[0, n - new :].cpu()
             torch.testing.assert_close(logprobs, torch.as_tensor(out.logprobs).float(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_two_expert_parallel_ranks_route_and_replay_like_the_rollout(engines):
+    """The same at EP 2 (two gloo ranks, each holding half of the experts)."""
+    rollout, trainer = engines
+    g = torch.Generator().manual_seed(12)
+    cases, expected = [], []
+    for seed, temperature in enumerate((1.0, 0.7)):
+        prompt = torch.randint(1, 90, (5,), generator=g).tolist()
+        for out in _windows(rollout, prompt, temperature, seed):
+            ids = out.prompt_token_ids + out.token_ids
+            routes = torch.as_tensor(out.routed_experts[: len(ids)].astype("int64"))
+            cases.append((ids, routes, temperature))
+            expected.append((routes, torch.as_tensor(out.logprobs).float(), len(out.token_ids)))
+    for rank_results in run_ranks(replay_worker, 2, trainer.model_cfg.hf_path, cases):
+        for (recorded, logprobs), (routes, rollout_lp, new) in zip(rank_results, expected, strict=True):
+            torch.testing.assert_close(recorded.sort(-1).values, routes.sort(-1).values, rtol=0, atol=0)
+            torch.testing.assert_close(logprobs[-new:], rollout_lp, rtol=0, atol=1e-5)
