@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -247,7 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         plans = [p.strip() for p in args.plans.split(",") if p.strip()]
         rows = simulate_trace(trace, topo, config, cost, plans, not args.no_validate, args.dump_plans)
-    except (ValueError, KeyError) as err:
+    except (ValueError, KeyError, OSError) as err:
+        if os.environ.get("RELIBRA_DEBUG"):
+            raise
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(format_table(rows, trace.num_steps))

@@ -87,6 +87,21 @@ def test_cli_errors(load_file, capsys):
     # The topology's knobs have their own options: a --set of them would reach the JSON but not the planners.
     assert main([*args, "--set", "replica_slots=4"]) == 2
     assert "--set replica_slots: set it with --replica-slots" in capsys.readouterr().err
+    missing = [
+        "--loads",
+        "/nonexistent/loads.npz",
+        "--ep",
+        "16",
+        "--gpus-per-node",
+        "8",
+        "--replica-slots",
+        "2",
+    ]
+    assert main(missing) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == "error: [Errno 2] No such file or directory: '/nonexistent/loads.npz'"
+    )
 
 
 def test_fold_sources():

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -150,6 +152,28 @@ def test_misshaped_tensor_names_tensor_and_shapes(tmp_path):
         r"expected \(16, 32\)",
     ):
         MegatronEngine(model_config_from_hf(bad), ParallelConfig(), OptimConfig())
+
+
+def test_cli_bad_checkpoint_is_one_error_line_and_leaves_no_output(tmp_path):
+    """python -m tppo.convert on a misshaped checkpoint: one `error:` line naming the tensor, exit status 2, and the
+    output folder it would have created is gone (it used to print a 58-line traceback and leave the folder)."""
+    src = make_hf_checkpoint(str(tmp_path / "src"), "mixtral")
+
+    def shrink(t):
+        t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][:8]
+
+    bad = _rewrite(src, str(tmp_path / "bad"), shrink)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "tppo.convert", "--from-hf", bad, "--to-hf", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "model.layers.0.self_attn.k_proj.weight" in lines[0] and "(8, 32)" in lines[0]
+    assert not out.exists()
 
 
 def test_unsupported_architecture_lists_supported(tmp_path):
