@@ -87,17 +87,19 @@ def reserved_port() -> Iterator[int]:
 def _start_torch_distributed(backend: str, timeout_s: float) -> None:
     if dist.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    with contextlib.ExitStack() as stack:
-        if "MASTER_PORT" not in os.environ:
-            if world > 1:
-                raise ValueError("MASTER_PORT must be set when WORLD_SIZE > 1")
-            os.environ["MASTER_PORT"] = str(stack.enter_context(reserved_port()))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "MASTER_PORT" not in os.environ:
+        if world > 1:
+            raise ValueError("MASTER_PORT must be set when WORLD_SIZE > 1")
+        # A world of one needs no rendezvous: an in-memory store, no port to reserve or to lose to another process.
         dist.init_process_group(
-            backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+            backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
 
 
 def _layout(p: ParallelConfig) -> tuple[int, int, int]:
