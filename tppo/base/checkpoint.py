@@ -21,7 +21,7 @@ import os
 import pickle
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -138,16 +138,20 @@ def problem(ckpt: Path) -> str | None:
     return None
 
 
-def latest(root: str | Path, on_skip: Callable[[Path, str], None] | None = None) -> Path | None:
-    """The newest complete checkpoint under `root` whose files are whole (`problem`), or None; each newer one
-    it passes over is reported to `on_skip` with the reason."""
+def whole(root: str | Path, on_skip: Callable[[Path, str], None] | None = None) -> Iterator[Path]:
+    """The complete checkpoints under `root` whose files are whole (`problem`), newest first; each one passed
+    over is reported to `on_skip` with the reason."""
     for ckpt in complete(root):
         why = problem(ckpt)
         if why is None:
-            return ckpt
-        if on_skip is not None:
+            yield ckpt
+        elif on_skip is not None:
             on_skip(ckpt, why)
-    return None
+
+
+def latest(root: str | Path, on_skip: Callable[[Path, str], None] | None = None) -> Path | None:
+    """The newest complete checkpoint under `root` whose files are whole, or None (see `whole`)."""
+    return next(whole(root, on_skip), None)
 
 
 class CheckpointError(ValueError):

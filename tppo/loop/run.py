@@ -126,18 +126,17 @@ def _resume(cfg: ExperimentConfig, roles: Roles, state: DriverState) -> int | No
     """The step of the newest usable checkpoint, with every shard and the driver's state loaded from it (None:
     none). A newer checkpoint that is torn (a file missing or short) or whose driver state cannot be loaded is
     skipped with a one-line warning saying why."""
-    skipped = []
-    for ckpt in checkpoint.complete(run_dir(cfg) / "checkpoints"):
-        why = checkpoint.problem(ckpt)
-        saved = None
-        if why is None:
-            try:
-                saved = checkpoint.load_file(ckpt / "driver.pt")
-            except (checkpoint.CheckpointError, pickle.UnpicklingError, EOFError, RuntimeError) as err:
-                why = f"driver.pt cannot be loaded ({str(err).splitlines()[0]})"
-        if why is not None:
-            _log.warning("skipping checkpoint %s: %s", ckpt, why)
-            skipped.append(ckpt.name)
+    skipped: list[str] = []
+
+    def skip(ckpt: Path, why: str) -> None:
+        _log.warning("skipping checkpoint %s: %s", ckpt, why)
+        skipped.append(ckpt.name)
+
+    for ckpt in checkpoint.whole(run_dir(cfg) / "checkpoints", on_skip=skip):
+        try:
+            saved = checkpoint.load_file(ckpt / "driver.pt")
+        except (checkpoint.CheckpointError, pickle.UnpicklingError, EOFError, RuntimeError) as err:
+            skip(ckpt, f"driver.pt cannot be loaded ({str(err).splitlines()[0]})")
             continue
         for role, trainer in (("policy", roles.policy), ("critic", roles.critic)):
             trainer.load([ckpt / f"{role}_rank{r}.pt" for r in range(trainer.ranks.size)])
