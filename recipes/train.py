@@ -16,12 +16,17 @@ from tppo.config import ExperimentConfig
 
 @recipe("train")
 def main(cfg: ExperimentConfig) -> None:
+    from rollout.data import DataError
     from tppo.base.checkpoint import CheckpointError
+    from tppo.base.fields import ConfigError
     from tppo.cluster.roles import RoleError
     from tppo.loop.run import run_dir, train
+    from tppo.loop.tasks import TaskError
 
     try:
         summary = train(cfg)
+    except (DataError, TaskError, ConfigError) as err:  # inputs, refused before anything starts
+        fail(str(err))
     except RoleError as err:
         fail(f"training stopped: {err}")
     except CheckpointError as err:

@@ -17,9 +17,10 @@ With data parallelism wider than EP, ranks dp and dp + EP are different EP group
 pairs are summed into source rank dp % EP (the plan balances the sum).
 
 File format (`save_loads`/`load_loads`): `.npz` with `loads` int [num_steps, num_microbatches, num_layers,
-num_source_ranks, num_experts] and `topk` (scalar int). Validation: every count >= 0; for every (step,
-micro-batch, source) the pairs summed over experts are tokens x topk with the same token count in every layer;
-no expert gets more pairs than there are tokens.
+num_source_ranks, num_experts] and `topk` (scalar int); a float array is read only when every value is a
+finite whole number (nothing is truncated). Validation: every count >= 0; for every (step, micro-batch,
+source) the pairs summed over experts are tokens x topk with the same token count in every layer; no expert
+gets more pairs than there are tokens.
 
 Legend: N steps, M micro-batches, L layers, S source ranks, E experts, T tokens, K top-k, B samples.
 """
@@ -127,7 +128,31 @@ def load_loads(path: str | Path) -> LoadTrace:
         loads, topk = f["loads"], f["topk"]
     if np.ndim(topk) != 0:
         raise ValueError(f"{path}: topk must be a scalar, got shape {np.shape(topk)}")
-    return LoadTrace(loads.astype(np.int64, copy=False), int(topk))
+    loads = _integer_counts(loads, f"{path}: loads")
+    return LoadTrace(loads, int(_integer_counts(topk, f"{path}: topk")))
+
+
+def _integer_counts(values: np.ndarray, what: str) -> np.ndarray:
+    """`values` as int64, refusing what a cast would change: NaN, Inf, fractions, values past int64 (a cast
+    truncates 2.7 to 2 and turns NaN into a huge negative count). Floats holding whole numbers pass
+    unchanged."""
+    values = np.asarray(values)
+    if np.issubdtype(values.dtype, np.integer):
+        return values.astype(np.int64, copy=False)
+    if not np.issubdtype(values.dtype, np.floating):
+        raise ValueError(f"{what} must be finite integers, got dtype {values.dtype}")
+    for bad, kind in (
+        (~np.isfinite(values), "NaN or Inf"),
+        ((values != np.round(values)) | (np.abs(values) >= 2**62), "not whole numbers"),
+    ):
+        if bad.any():
+            first = tuple(int(i) for i in np.argwhere(bad)[0])
+            at = f" at index {list(first)}" if first else ""
+            raise ValueError(
+                f"{what} must be finite integers: {int(bad.sum())} value(s) {kind}, the first "
+                f"{float(values[first])}{at}; write them as integers"
+            )
+    return values.astype(np.int64)
 
 
 def _count(index_X: np.ndarray, size: int) -> np.ndarray:

@@ -14,9 +14,10 @@ A malformed row (missing field, wrong type, invalid JSON) raises `DataError` nam
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,8 @@ def _load_file(file: Path, required: Sequence[str]) -> tuple[list[dict[str, Any]
     import datasets
 
     try:
-        table = datasets.load_dataset(FILE_TYPES[file.suffix], data_files=str(file), split="train")
+        with _quiet_datasets():
+            table = datasets.load_dataset(FILE_TYPES[file.suffix], data_files=str(file), split="train")
     except Exception as err:  # pyarrow refuses mixed types or broken JSON: find and name the row
         if file.suffix in (".jsonl", ".json"):
             _scan_jsonl(file, required)
@@ -129,6 +131,23 @@ def _load_file(file: Path, required: Sequence[str]) -> tuple[list[dict[str, Any]
     if len(numbers) != len(rows):
         numbers = list(range(1, len(rows) + 1))
     return rows, numbers
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """Reading a local file: no progress bars, and no log line of its own on a parse failure (it counts rows
+    from 0, by chunk), since the DataError raised then names the file and the row."""
+    import datasets
+
+    level, bars = datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
+        if bars:
+            datasets.enable_progress_bars()
 
 
 def _check_value(file: Path | str, row: int, key: str, value: Any) -> str:
@@ -193,11 +212,28 @@ def load_prompts(
             rows, numbers = _load_file(file, required)
             records += _records_from_rows(rows, numbers, str(file), cfg, tokenizer, solution_key)
         return records
+    if _looks_local(cfg.path):
+        raise DataError(
+            f"data.path={cfg.path!r} does not exist; set data.path to an existing JSONL/Parquet file or "
+            "folder"
+        )
     import datasets
 
-    rows = datasets.load_dataset(cfg.path, split=cfg.split).to_list()
+    try:
+        rows = datasets.load_dataset(cfg.path, split=cfg.split).to_list()
+    except Exception as err:  # the hub's errors have no common base: name the path and the first line
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataError(
+            f"data.path={cfg.path!r} is no local file or folder, and as a hub dataset (split "
+            f"{cfg.split!r}) it cannot be loaded: {first}"
+        ) from err
     source = f"{cfg.path}[{cfg.split}]"
     return _records_from_rows(rows, list(range(1, len(rows) + 1)), source, cfg, tokenizer, solution_key)
+
+
+def _looks_local(path: str) -> bool:
+    """A path no hub name could be: absolute, relative to here or home, or ending in a data file's suffix."""
+    return path.startswith(("/", "./", "../", "~")) or Path(path).suffix in FILE_TYPES
 
 
 # --------------------------------------------------------------------------------------------- synthetic task

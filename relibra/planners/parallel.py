@@ -15,6 +15,8 @@ worker count and process, and `start_workers` starts them ahead of the first ste
 the main module, so a script that plans with more than one process must do so under `if __name__ == "__main__":`.
 A worker's exception is raised in the caller. A worker that dies (killed, out of memory) breaks its pool: this
 process plans that chunk itself (the same plan), warns, and drops the pool, so the next call starts new workers.
+A worker ends itself when the process that started it dies (even by SIGKILL), and the fork server and the
+resource tracker then exit with it.
 
 Chunk k of a step draws from the random stream (seed, step, k), so a plan depends on the seed and the number of
 chunks, never on which process planned what.
@@ -26,7 +28,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import select
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, wait
@@ -99,6 +103,38 @@ def _shared_block(shape: tuple[int, ...], dtype):
         shm.unlink()
 
 
+def _exit_with(parent_pid: int) -> None:
+    """Worker initializer: end this worker as soon as the process that started its pool is gone.
+
+    Without it a killed driver leaves the workers blocked on their call queue for ever, and with them the fork
+    server and the resource tracker: the workers hold the fork server's liveness pipe and the tracker's pipe
+    open. PR_SET_PDEATHSIG would not do: a worker's parent is the fork server, not the driver."""
+    threading.Thread(target=_watch, args=(parent_pid,), name="planner-parent-watch", daemon=True).start()
+
+
+def _watch(pid: int) -> None:
+    try:
+        fd = os.pidfd_open(pid)  # Linux 5.3+: readable once the process has exited
+    except ProcessLookupError:
+        os._exit(0)
+    except (AttributeError, OSError):  # no pidfd here: ask every half second
+        while _alive(pid):
+            time.sleep(0.5)
+    else:
+        select.select([fd], [], [])
+    os._exit(0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else (the pid was reused): ours is gone
+        return False
+    return True
+
+
 def _import_planners() -> None:
     """Run in a fresh worker so that the first real chunk does not pay the imports."""
     import relibra.planners  # noqa: F401
@@ -110,7 +146,12 @@ def _pool(num_workers: int) -> ProcessPoolExecutor:
         pool = _POOLS.get(num_workers)
         if pool is not None:
             return pool
-        pool = ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("forkserver"))
+        pool = ProcessPoolExecutor(
+            num_workers,
+            mp_context=multiprocessing.get_context("forkserver"),
+            initializer=_exit_with,
+            initargs=(os.getpid(),),
+        )
         try:
             for future in [pool.submit(_import_planners) for _ in range(num_workers)]:
                 future.result()

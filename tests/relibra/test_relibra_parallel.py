@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -124,3 +126,60 @@ def test_without_room_in_shared_memory_this_process_plans_every_chunk(monkeypatc
         got = plan_by_layer_chunks(_relibra_chunk, loads, prev, ctx, step=0)
     for name in ("home_LE", "slots_MLGJ", "quota_MLGJS"):
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+
+
+def _descendants(pid: int) -> set[int]:
+    """The processes below `pid`, read from /proc (children of children included)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except (OSError, ValueError):
+            continue
+        if entry.isdigit():
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the process tree from /proc")
+def test_a_driver_killed_alone_takes_its_planner_processes_with_it(tmp_path):
+    """SIGKILL gives the driver no chance to stop its workers: they, the fork server and the resource tracker
+    must still be gone within seconds, not wait for ever on a call queue nobody writes to."""
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import time\n"
+        "from relibra.planners.parallel import start_workers\n\n"
+        'if __name__ == "__main__":\n'
+        "    start_workers(3)\n"
+        '    print("ready", flush=True)\n'
+        "    time.sleep(600)\n"
+    )
+    driver = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True
+    )
+    try:
+        assert driver.stdout.readline().strip() == "ready"
+        helpers = _descendants(driver.pid)
+        # the resource tracker and the fork server below the driver, two workers below the fork server
+        assert len(helpers) == 4, helpers
+    finally:
+        driver.kill()
+        driver.wait()
+    deadline = time.monotonic() + 10
+    while (left := {p for p in helpers if _running(p)}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in left:  # do not leave them to the next test
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"still running 10 s after the driver was killed: {sorted(left)}"

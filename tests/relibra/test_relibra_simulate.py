@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,69 @@ def test_cli_errors(load_file, capsys):
         capsys.readouterr().err.strip()
         == "error: [Errno 2] No such file or directory: '/nonexistent/loads.npz'"
     )
+
+
+@pytest.mark.parametrize(
+    ("loads_dtype", "spoil", "topk", "message"),
+    [
+        (
+            np.float64,
+            lambda a: a + 0.5,
+            4,
+            r"loads must be finite integers: \d+ value\(s\) not whole numbers, the first \d+\.5 "
+            r"at index \[0, 0, 0, 0, 0\]",
+        ),
+        (
+            np.float64,
+            lambda a: np.where(a == a.max(), np.nan, a),
+            4,
+            "loads must be finite integers: .* NaN or Inf",
+        ),
+        (
+            np.float32,
+            lambda a: np.where(a == a.max(), np.inf, a),
+            4,
+            "loads must be finite integers: .* NaN or Inf",
+        ),
+        (np.int64, lambda a: a, 4.5, "topk must be finite integers: 1 value"),
+        (np.bool_, lambda a: a > 0, 4, "loads must be finite integers, got dtype bool"),
+    ],
+)
+def test_cli_refuses_loads_a_cast_would_change(
+    load_file, tmp_path, capsys, loads_dtype, spoil, topk, message
+):
+    """A cast to int would truncate 0.5 and 4.5 and turn NaN into a huge negative count: the file is refused
+    with one line saying loads must be finite integers."""
+    with np.load(load_file) as f:
+        loads = f["loads"]
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, loads=spoil(loads.astype(loads_dtype)), topk=np.asarray(topk))
+    args = [
+        "--loads",
+        str(bad),
+        "--ep",
+        "16",
+        "--gpus-per-node",
+        "8",
+        "--replica-slots",
+        "2",
+        "--plans",
+        "static",
+    ]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {bad}: ")
+    assert re.search(message, err), err
+
+
+def test_whole_numbers_stored_as_floats_read_as_the_same_counts(load_file, tmp_path):
+    with np.load(load_file) as f:
+        loads, topk = f["loads"], f["topk"]
+    floats = tmp_path / "floats.npz"
+    np.savez(floats, loads=loads.astype(np.float64), topk=np.float64(topk))
+    trace = load_loads(floats)
+    assert trace.loads_NMLSE.dtype == np.int64 and trace.topk == int(topk)
+    np.testing.assert_array_equal(trace.loads_NMLSE, loads)
 
 
 def test_fold_sources():

@@ -9,7 +9,8 @@ from tppo.base.fields import ConfigError, check_fields, spec
 from tppo.base.metrics import LoggingConfig
 from tppo.eval.metrics import default_ks
 
-SCORED_REWARDS = ("math", "exact")
+# "synthetic": the countdown task's own verdict (tppo.eval.countdown), for data.source=synthetic only
+SCORED_REWARDS = ("math", "exact", "synthetic")
 
 
 @dataclass
@@ -34,7 +35,7 @@ class EvalConfig:
     temperature: float = spec(0.6, ge=0)
     top_p: float = spec(0.95, gt=0, le=1)
     top_k: int = spec(0, ge=0, help="0 disables top-k")
-    max_new_tokens: int = spec(32768, ge=1)
+    max_new_tokens: int = spec(32768, ge=1, help="data=synthetic: at most the countdown's longest answer, 61")
     ks: list[int] | None = None  # pass@k values; None: 1, 2, 4, ... up to n
     seed: int = spec(0, ge=0)
     batch_size: int = spec(256, ge=1, help="engine slots and requests per generate call (whole problems)")
@@ -61,6 +62,12 @@ class EvalConfig:
         if self.tokenizer and self.data.tokenizer and self.tokenizer != self.data.tokenizer:
             raise ConfigError(
                 f"tokenizer={self.tokenizer!r} and data.tokenizer={self.data.tokenizer!r} disagree; set one"
+            )
+        if (self.data.source == "synthetic") != (self.data.reward == "synthetic"):
+            raise ConfigError(
+                f"data.source={self.data.source!r} with data.reward={self.data.reward!r}: the synthetic "
+                "(countdown) task is scored by its own verifier and only it; use data=synthetic or a dataset "
+                "with math/exact"
             )
         return self
 

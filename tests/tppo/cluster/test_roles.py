@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import numpy as np
 import pytest
@@ -27,8 +28,16 @@ class _Fragile:
     def ok(self) -> int:
         return 1
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def die(self) -> None:
         os._exit(1)
+
+    def die_if(self, me: bool) -> None:
+        if me:
+            os._exit(1)
+        time.sleep(5)  # the others wait, as ranks in a collective would
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +53,22 @@ def test_dead_actor_is_a_clear_error():
         handle = ray.remote(num_cpus=0.01)(_Fragile).remote()
         group = RankGroup("policy", [handle], remote=True)
         assert group.call(_Fragile.ok) == [1]
-        with pytest.raises(RoleError, match=r"a policy rank died during die\(\)"):
+        with pytest.raises(RoleError, match=r"^policy rank 0 died during die\(\) \(pid \d+"):
             group.call(_Fragile.die)
+
+
+def test_the_death_message_names_the_role_and_the_rank_that_died():
+    import ray
+
+    with ray_session(ClusterConfig(object_store_mb=100, cpus_per_node=2)):
+        handles = [ray.remote(num_cpus=0.01)(_Fragile).remote() for _ in range(3)]
+        group = RankGroup("critic", handles, remote=True)
+        pids = group.call(_Fragile.pid)
+        with pytest.raises(RoleError) as err:
+            group.call(_Fragile.die_if, [(rank == 1,) for rank in range(3)])
+    message = str(err.value)
+    assert message.startswith(f"critic rank 1 died during die_if() (pid {pids[1]}; ")
+    assert len(message.splitlines()) == 1
 
 
 def _sample(uid: str) -> Sample:

@@ -155,8 +155,51 @@ def test_invalid_settings(change, message, tiny_qwen_ckpt, aime2024, tmp_path):
 
 
 def test_a_correctness_reward_is_required(tmp_path):
-    with pytest.raises(ConfigError, match=r"data\.reward='synthetic' is not a correctness reward"):
-        EvalConfig(data=DataConfig(reward="synthetic")).validate()
+    with pytest.raises(ConfigError, match=r"data\.reward='length' is not a correctness reward"):
+        EvalConfig(data=DataConfig(source="dataset", reward="length")).validate()
+    # the countdown's verifier scores the countdown and nothing else
+    with pytest.raises(ConfigError, match=r"data\.source='dataset' with data\.reward='synthetic'"):
+        EvalConfig(data=DataConfig(source="dataset", reward="synthetic")).validate()
+    with pytest.raises(ConfigError, match=r"data\.source='synthetic' with data\.reward='math'"):
+        EvalConfig(data=DataConfig(source="synthetic", reward="math")).validate()
+    EvalConfig(data=DataConfig(source="synthetic", reward="synthetic")).validate()
+
+
+def test_a_problem_id_used_twice_is_refused(aime2024, tiny_qwen_ckpt, tmp_path):
+    """Its samples would be counted as one problem's 2n: named with both rows, before any generation."""
+    rows = [json.loads(line) for line in aime2024.read_text().splitlines()]
+    rows[5]["id"] = rows[1]["id"]
+    dup = tmp_path / "aime_dup.jsonl"
+    dup.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pattern = rf"problem id '{rows[1]['id']}' is used by .*aime_dup.jsonl:2 and .*aime_dup.jsonl:6: ids must"
+    with pytest.raises(DataError, match=pattern):
+        run_eval(config(tiny_qwen_ckpt, dup, tmp_path), generator=NeverGenerate())
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_recipe_names_a_data_path_that_does_not_exist(tiny_qwen_ckpt, tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recipes.eval",
+            f"checkpoint={tiny_qwen_ckpt}",
+            "tokenizer=qwen-tokenizer",
+            f"data.path={missing}",
+            f"output_dir={tmp_path}/out",
+            "logging=disabled",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (
+        f"error: data.path='{missing}' does not exist; set data.path to an existing JSONL/Parquet file or "
+        "folder"
+    )
 
 
 def test_training_checkpoints_resolve_to_their_policy_hf(tiny_qwen_ckpt, tmp_path):

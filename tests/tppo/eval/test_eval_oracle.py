@@ -154,3 +154,36 @@ def test_run_eval_writes_generations_summary_table_and_metrics(
     row = next(line for line in table.splitlines() if line.startswith("2024-I-1 "))
     assert row.split() == ["2024-I-1", "4/4", "204", "(4)", "204", "yes"]
     assert "avg@4 1.0000  cons@4 1.0000  pass@1 1.0000  pass@2 1.0000  pass@4 1.0000" in table
+
+
+def test_non_finite_weights_are_reported_with_the_result(
+    records, aime2024, qwen_tokenizer, tiny_qwen_ckpt, tmp_path, caplog
+):
+    """A checkpoint holding a NaN is evaluated (a NaN no token reaches changes nothing, and the numbers show
+    whether it did), but one warning line names it, and the table and summary carry it so none reads the
+    result as normal."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_qwen_ckpt, broken)
+    (weights,) = broken.glob("*.safetensors")
+    tensors = load_file(weights)
+    name = sorted(tensors)[-1]
+    tensors[name].view(-1)[0] = torch.nan
+    save_file(tensors, weights, metadata={"format": "pt"})
+    cfg = eval_config(aime2024, checkpoint=str(broken), tokenizer="qwen-tokenizer", output_dir=str(tmp_path))
+    printed = []
+    with caplog.at_level("WARNING", logger="tppo.eval.evaluation"):
+        run = run_eval(cfg, generator=Oracle(qwen_tokenizer, records, right), print_fn=printed.append)
+
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning == (
+        f"checkpoint '{broken}' has NaN/Inf weights in 1 tensor(s), e.g. {name}: these results are not those "
+        "of a sound model"
+    )
+    assert run.result.metrics.avg_at_n == 1.0  # the result is still there
+    assert printed[0].splitlines()[-1] == f"warning: {warning}"
+    assert json.loads((run.out_dir / "summary.json").read_text())["non_finite_tensors"] == [name]
