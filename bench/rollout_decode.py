@@ -7,12 +7,15 @@ Sections (each recorded in the JSON, an error in one does not stop the others):
 1. check: our engine vs transformers on the same random bf16 weights (a few layers of the real widths):
    greedy tokens, log-prob differences and router agreement, so the timed engine is known to compute the model.
 2. engine: decode tokens/s at each batch size, `--layers` layers, random bf16 weights, temperature 1, ignore_eos,
-   prompts of `--prompt-len` random tokens, `--new-tokens` new tokens each. Decode time = the engine's wall time
-   in decode steps (graph replay + sampling + bookkeeping, host syncs included); decode tokens = those sampled
-   in decode steps (the first token of each request comes from prefill). Also the bare replay time of one step.
-   Roofline: bytes a step must read = non-expert weights + (distinct experts routed in that step, per layer,
-   counted from the recorded routing) x expert bytes + lm_head + K/V of every attended position; over
-   `--bandwidth` (4.3 TB/s measured copy bandwidth of the H200) that is the floor; fraction = floor / step time.
+   prompts of `--prompt-len` random tokens, `--new-tokens` new tokens each. Counted over the decode-only steps
+   of the engine's step trace (steps that also carry prefill chunks are left out: their time is mostly the
+   chunk's): decode time = their wall time (graph replay + sampling + bookkeeping, host syncs included),
+   decode tokens = the rows they fed (a finished request's one extra row, fed to record its last token's
+   experts, included). Also the bare time of one runner step of the padded batch at the mid length.
+   Roofline: bytes a step must read = non-expert weights (attention, norms, routers, final norm, all lm_head
+   rows) + (distinct experts the step's tokens routed to, summed over layers, from the trace) x bytes of one
+   expert + K/V of every attended position; over `--bandwidth` (4.3 TB/s measured copy bandwidth of the H200)
+   that is the floor; fraction = mean floor / mean step time.
 3. hf: transformers' generate() (sampling, temperature 1, top_k 0) at `--hf-layers` layers on the same shapes;
    decode rate = B (n - 1) / (t(n new tokens) - t(1 new token)).
 """
@@ -20,6 +23,7 @@ Sections (each recorded in the JSON, an error in one does not stop the others):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -35,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout import RolloutEngine, SamplingParams
 from rollout.config import RolloutConfig
-from rollout.cuda_graphs import DecodeInputs
-from rollout.engine import key_bucket
+from rollout.engine import StepTrace
+from rollout.runner import CACHE_ROW, POSITION, SEQ, StepInputs
 
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"],
@@ -98,25 +102,34 @@ def prompts_for(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list
 
 
 # --------------------------------------------------------------------------------------------- roofline
-def step_bytes(cfg: dict, outs, prompt_len: int, element: int) -> list[dict]:
-    """Bytes each decode step must read, from the routing the engine recorded (all requests run in lockstep)."""
-    h, v, e_ffn = cfg["hidden_size"], cfg["vocab_size"], cfg["moe_intermediate_size"]
-    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    layers, experts = cfg["num_hidden_layers"], cfg["num_experts"]
-    attn = (h * (q + 2 * kv) + q * h + 2 * h + 2 * cfg["head_dim"] + experts * h) * element
-    expert = 3 * h * e_ffn * element
-    head = (v * h + h) * element
-    kv_per_pos = 2 * layers * kv * element
-    routes = np.stack([o.routed_experts for o in outs])  # [B, T, L, K]
-    num_steps = routes.shape[1] - prompt_len
-    out = []
-    for j in range(num_steps):
-        fed = routes[:, prompt_len + j]  # [B, L, K] experts of the token fed at decode step j + 1
-        distinct = sum(len(np.unique(fed[:, layer])) for layer in range(layers))
-        weights = layers * attn + distinct * expert + head + len(outs) * h * element
-        kv_read = len(outs) * (prompt_len + j + 1) * kv_per_pos
-        out.append({"weights": weights, "kv": kv_read, "distinct_experts_per_layer": distinct / layers})
-    return out
+def roofline_parts(engine: RolloutEngine) -> dict:
+    """Bytes a decode step must read, by part, counted from the engine's own tensors: every non-expert tensor
+    of every layer (fused qkv, o, norms, router, a dense MLP where a layer has one), the final norm and all
+    lm_head rows (each sampled row needs every logit); one expert's gate_up + down; K + V of one attended
+    position over all layers. The embedding rows a step gathers (one per token, a few KiB) are left out."""
+    w = engine.weights
+    non_expert = w.final_norm_H.nbytes + w.lm_head_VH.nbytes
+    expert = 0
+    for layer in w.layers:
+        for name, t in vars(layer).items():
+            if t is None:
+                continue
+            if name in ("gate_up_EFH", "down_EHF"):
+                expert = expert or layer.gate_up_EFH[0].nbytes + layer.down_EHF[0].nbytes
+            else:
+                non_expert += t.nbytes
+    return {"non_expert": non_expert, "expert": expert, "kv_per_position": engine.cache_plan.bytes_per_token}
+
+
+def step_floor_bytes(step: StepTrace, parts: dict) -> int:
+    """Bytes the step reads at least: non-expert weights, the experts its tokens touched, the decoding rows'
+    keys and values. A prefill chunk's reads of its own prompt's K/V are not counted (small next to the
+    weights), nor its compute: for a mixed step this is a loose floor."""
+    return (
+        parts["non_expert"]
+        + step.experts_touched * parts["expert"]
+        + step.decode_keys * parts["kv_per_position"]
+    )
 
 
 # --------------------------------------------------------------------------------------------- sections
@@ -127,8 +140,10 @@ def run_engine(args, cfg: dict, device: torch.device, dtype: torch.dtype) -> lis
         max_batch_size=max(args.batches),
         cuda_graphs=not args.eager,
         kv_cache_fraction=0.5,
+        trace_steps=True,
     )
     engine = RolloutEngine.from_config(cfg, device=device, dtype=dtype, config=config, seed=0)
+    parts = roofline_parts(engine)
     rows = []
     for batch in args.batches:
         prompts = prompts_for(batch, args.prompt_len, cfg["vocab_size"], seed=batch)
@@ -139,14 +154,15 @@ def run_engine(args, cfg: dict, device: torch.device, dtype: torch.dtype) -> lis
         engine.generate(prompts, params)  # warm-up: captures this batch's graphs
         sync(device)
         t0 = time.perf_counter()
-        outs = engine.generate(prompts, params)
+        engine.generate(prompts, params)
         sync(device)
         wall = time.perf_counter() - t0
         st = engine.last_stats
-        decode_tokens = st.num_generated_tokens - batch
-        step_s = st.decode_s / st.num_decode_steps
-        per_step = step_bytes(cfg, outs, args.prompt_len, torch.empty((), dtype=dtype).element_size())
-        floor_s = statistics.mean((s["weights"] + s["kv"]) / args.bandwidth for s in per_step)
+        decode_only = [s for s in st.steps if s.num_decode and not s.num_prefill]
+        decode_s = sum(s.seconds for s in decode_only)
+        step_s = decode_s / len(decode_only)
+        floor_s = statistics.mean(step_floor_bytes(s, parts) / args.bandwidth for s in decode_only)
+        kv_bytes = [s.decode_keys * parts["kv_per_position"] for s in decode_only]
         replay_ms = time_replay(engine, batch, args, device)
         eager_ms = None
         if engine.runner.use_cuda_graphs:  # the same step launched op by op, to show what the graphs buy
@@ -160,25 +176,30 @@ def run_engine(args, cfg: dict, device: torch.device, dtype: torch.dtype) -> lis
             {
                 "batch": batch,
                 "layers": cfg["num_hidden_layers"],
-                "decode_tok_s": decode_tokens / st.decode_s,
+                "decode_tok_s": sum(s.num_decode for s in decode_only) / decode_s,
                 "end_to_end_tok_s": st.num_generated_tokens / wall,
                 "prefill_s": st.prefill_s,
                 "decode_s": st.decode_s,
+                "mixed_s": st.mixed_s,
+                "decode_only_s": decode_s,
                 "decode_steps": st.num_decode_steps,
+                "mixed_steps": st.num_mixed_steps,
+                "decode_only_steps": len(decode_only),
                 "step_ms": 1e3 * step_s,
                 "replay_ms": replay_ms,
                 "eager_step_ms": eager_ms,
                 "roofline_step_ms": 1e3 * floor_s,
                 "roofline_fraction": floor_s / step_s,
-                "weights_gb_per_step": statistics.mean(s["weights"] for s in per_step) / 1e9,
-                "kv_gb_per_step": statistics.mean(s["kv"] for s in per_step) / 1e9,
-                "distinct_experts_per_layer": statistics.mean(
-                    s["distinct_experts_per_layer"] for s in per_step
-                ),
+                "weights_gb_per_step": statistics.mean(
+                    parts["non_expert"] + s.experts_touched * parts["expert"] for s in decode_only
+                )
+                / 1e9,
+                "kv_gb_per_step": statistics.mean(kv_bytes) / 1e9,
+                "distinct_experts_per_layer": statistics.mean(s.experts_touched for s in decode_only)
+                / engine.spec.num_moe_layers,
                 "cuda_graphs": st.cuda_graphs,
                 "num_graphs": st.num_graphs,
                 "capture_error": engine.runner.capture_error,
-                "flash_decode_attention": engine.model.flash_decode,
                 "kernel_profile": profile,
             }
         )
@@ -193,39 +214,56 @@ def run_engine(args, cfg: dict, device: torch.device, dtype: torch.dtype) -> lis
     return rows
 
 
-def step_inputs(engine: RolloutEngine, batch: int, args) -> tuple[DecodeInputs, int]:
-    """A decode step of the padded batch at the middle of the generation, sampling at temperature 1."""
-    b = engine._bucket(batch)
-    inputs = DecodeInputs(
-        tokens_B=np.zeros(b, dtype=np.int64),
-        positions_B=np.full(b, args.prompt_len + args.new_tokens // 2, dtype=np.int64),
-        seeds_B=np.arange(b, dtype=np.uint64),
-        top_k_B=np.zeros(b, dtype=np.int64),
-        temperature_B=np.ones(b, dtype=np.float32),
-        top_p_B=np.ones(b, dtype=np.float32),
-    )
-    return inputs, key_bucket(int(inputs.positions_B.max()) + 1, engine.max_model_len)
+@contextlib.contextmanager
+def decode_step(engine: RolloutEngine, batch: int, args):
+    """A decode-only step of `batch` rows at the middle of the generation, sampling at temperature 1 (the
+    runner pads it to its bucket as it pads the engine's steps). The rows are opened in the engine's block
+    table with blocks for positions [0, mid], so the step reads and writes real cache blocks, and released on
+    exit."""
+    table = engine.cache.table
+    position = args.prompt_len + args.new_tokens // 2
+    rows = []
+    try:
+        for _ in range(batch):
+            rows.append(table.open_row())
+            if not table.grow(rows[-1], position + 1):
+                raise RuntimeError(f"the KV cache cannot hold {batch} rows of {position + 1} positions")
+        tokens_T4 = np.zeros((batch, 4), dtype=np.int64)
+        tokens_T4[:, POSITION], tokens_T4[:, SEQ] = position, rows
+        tokens_T4[:, CACHE_ROW] = [table.cache_rows(r, position, position + 1)[0] for r in rows]
+        yield StepInputs(
+            tokens_T4=tokens_T4,
+            num_decode=batch,
+            pieces=[],
+            samples_S=np.arange(batch, dtype=np.int64),
+            seeds_S=np.arange(batch, dtype=np.uint64),
+            top_k_S=np.zeros(batch, dtype=np.int64),
+            temperature_S=np.ones(batch, dtype=np.float32),
+            top_p_S=np.ones(batch, dtype=np.float32),
+        )
+    finally:
+        for r in rows:
+            table.release(r)
 
 
 def time_replay(engine: RolloutEngine, batch: int, args, device: torch.device) -> float:
     """Median time of one whole decode step of the runner (inputs in, graph replay or eager forward + sampling,
     outputs on the host) at the mid length."""
-    inputs, num_keys = step_inputs(engine, batch, args)
     times = []
-    with torch.inference_mode():
+    with torch.inference_mode(), decode_step(engine, batch, args) as inputs:
         for _ in range(3):
-            engine.runner.run(inputs, num_keys)
+            engine.runner.run(inputs)
         for _ in range(args.repeats):
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                engine.runner.run(inputs, num_keys)
+                engine.runner.run(inputs)
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end))
             else:
                 t0 = time.perf_counter()
-                engine.runner.run(inputs, num_keys)
+                engine.runner.run(inputs)
                 times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
 
@@ -234,14 +272,13 @@ def profile_step(engine: RolloutEngine, batch: int, args, device: torch.device) 
     """GPU kernels of one eager decode step (same kernels a graph replays): count, busy time, top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    inputs, num_keys = step_inputs(engine, batch, args)
     graphs, engine.runner.use_cuda_graphs = engine.runner.use_cuda_graphs, False
     try:
-        with torch.inference_mode():
-            engine.runner.run(inputs, num_keys)
+        with torch.inference_mode(), decode_step(engine, batch, args) as inputs:
+            engine.runner.run(inputs)
             sync(device)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                engine.runner.run(inputs, num_keys)
+                engine.runner.run(inputs)
                 sync(device)
     finally:
         engine.runner.use_cuda_graphs = graphs

@@ -10,8 +10,9 @@ and, for bandwidth-bound ops, the fraction of `--bandwidth` that its bytes imply
   transposed (the engine's layout), weights stored [E, H, 2F], and a dense bmm with every expert padded to a
   fixed number of rows (what a capacity-padded path would cost).
 - sort: stable sort of the B*K expert ids as int64 / int32 / int16 keys (+ searchsorted for the group offsets).
-- attention: masked SDPA over [B, M, S, D] views of the slot cache vs FlashAttention-2 varlen with seqused_k,
-  per q head or with the G q heads of a kv head folded into the query length (the engine's form).
+- attention: masked SDPA over [B, M, S, D] views of a contiguous cache vs FlashAttention-2 varlen with
+  seqused_k, per q head or with the G q heads of a kv head folded into the query length, vs the engine's Triton
+  paged decode kernel (the same keys in shuffled blocks of 16 positions, split-K as the engine picks it).
 - sample: the sampler on [B, V] bf16 logits, with and without the top-k/top-p sort.
 """
 
@@ -192,12 +193,14 @@ def bench_attention(c, batch, device, dtype, args) -> list[dict]:
         out = flash_call(q_XMD, starts * g, g)
         return out.view(batch, g, m, d).transpose(1, 2).reshape(batch, n * d)
 
-    rows = []
-    variants = (
+    variants = [
         ("sdpa masked", sdpa),
         ("flash varlen seqused_k", flash),
         ("flash varlen GQA folded", flash_folded),
-    )
+    ]
+    if device.type == "cuda":
+        variants.append(("triton paged (engine)", paged_decode(k_SPMD, v_SPMD, q_BND, pos_B, device)))
+    rows = []
     for name, fn in variants:
         row = {"section": "attention", "batch": batch, "variant": name}
         try:
@@ -207,6 +210,32 @@ def bench_attention(c, batch, device, dtype, args) -> list[dict]:
             row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
         rows.append(row)
     return rows
+
+
+def paged_decode(k_SPMD, v_SPMD, q_BND, pos_B, device, block: int = 16):
+    """The engine's decode attention over the same keys laid out in blocks of `block` positions, block ids
+    shuffled (a cache after many admissions and releases)."""
+    from rollout.paged_attention import AttentionBatch, decode_splits, paged_attention
+
+    batch, max_len, m, d = k_SPMD.shape
+    per_seq = max_len // block
+    order = torch.randperm(batch * per_seq, device=device) + 1  # block 0 is the engine's null block
+    table_RB = order.view(batch, per_seq).to(torch.int32)
+    k_XMD = torch.zeros((batch * per_seq + 1) * block, m, d, device=device, dtype=k_SPMD.dtype)
+    v_XMD = torch.zeros_like(k_XMD)
+    rows = (table_RB.long()[:, :, None] * block + torch.arange(block, device=device)).reshape(batch, -1)
+    k_XMD[rows.reshape(-1)] = k_SPMD.reshape(-1, m, d)
+    v_XMD[rows.reshape(-1)] = v_SPMD.reshape(-1, m, d)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    attention = AttentionBatch(
+        seq_T=torch.arange(batch, device=device, dtype=torch.int32),
+        pos_T=pos_B.to(torch.int32),
+        num_decode=batch,
+        tile_start_Q=torch.zeros(0, device=device, dtype=torch.int32),
+        tile_len_Q=torch.zeros(0, device=device, dtype=torch.int32),
+        num_splits=decode_splits(batch, m, sms),
+    )
+    return lambda: paged_attention(q_BND, k_XMD, v_XMD, table_RB, attention, block, d**-0.5)
 
 
 def bench_sample(c, batch, device, dtype, args) -> list[dict]:

@@ -17,10 +17,21 @@ class RolloutConfig:
     dtype: str = spec("auto", choices=("auto", "float32", "bfloat16"))
     kv_cache_fraction: float = spec(0.5, gt=0, le=1, help="of free device memory")
     kv_cache_tokens: int = spec(0, ge=0, help="fixed KV cache size in tokens; 0 sizes it from memory")
-    max_batch_size: int = spec(256, ge=1, help="concurrent sequences in continuous batching")
-    max_model_len: int = spec(4096, ge=2, help="longest sequence (prompt + new tokens) a cache slot holds")
-    max_prefill_tokens: int = spec(8192, ge=1, help="tokens per prefill forward; longer prompts are chunked")
+    max_batch_size: int = spec(256, ge=1, help="sequences decoded at once at most")
+    max_model_len: int = spec(
+        0, ge=0, help="longest sequence (prompt + new tokens); 0 takes the model's max_position_embeddings"
+    )
+    kv_block_size: int = spec(
+        16,
+        ge=0,
+        help="positions per KV cache block (a multiple of 16); 0: one max_model_len slot per sequence",
+    )
+    max_step_tokens: int = spec(
+        2048, ge=1, help="tokens per engine step: one per decoding sequence, prompt chunks fill the rest"
+    )
     cuda_graphs: bool = True
+    cuda_graph_max_tokens: int = spec(4096, ge=1, help="steps of at most this many tokens run as CUDA graphs")
+    trace_steps: bool = spec(False, help="record every step in last_stats.steps (benchmarks)")
     weight_sync_bucket_mb: int = spec(256, ge=1)
 
 

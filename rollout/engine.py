@@ -1,19 +1,25 @@
-"""RolloutEngine: continuous-batching generation for Qwen3-MoE / Mixtral with routing capture and T-PPO windows.
+"""RolloutEngine: continuous-batching generation for Qwen3-MoE / Mixtral with a paged KV cache, mixed
+prefill + decode steps, preemption, routing capture and T-PPO windows.
 
     engine = RolloutEngine.from_pretrained(path, device="cuda", dtype="bfloat16")
     outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=64, temperature=1.0, seed=7))
     outs[0].token_ids, outs[0].logprobs, outs[0].finish_reason, outs[0].routed_experts  # [P + G, L, K]
     engine.load_weights(trainer_named_tensors)   # in place; later generate calls prefill again
 
-Scheduling: every request gets a cache slot when one is free (lowest first) and is prefilled at once (prompts
-longer than `max_prefill_tokens` are prefilled in chunks); then all slots decode one token per step; a
-request that finishes frees its slot for the next waiting one (continuous batching). When requests thin out,
-the survivors are moved to low slots so the step runs a smaller batch bucket.
+Scheduling (one step = one forward): every decoding sequence contributes its next token, and prompts being
+prefilled fill the rest of the step's token budget (`max_step_tokens`) in chunks, so admitting a request never
+stalls the decoding rows. A request is admitted, oldest first, when a sequence row is free and the KV blocks its
+prompt needs are free (beyond a small reserve for the rows that are decoding); a decoding sequence takes a new
+block when it crosses a block boundary. When none is free, the youngest running sequence is preempted: its
+blocks are freed and it goes back to the head of the queue with its tokens kept; when it is admitted again, its
+prompt and tokens are prefilled again (recomputation) and decoding continues where it stopped. No request is
+dropped, and since a token's random draw is keyed by (seed, position), no token changes.
 
 Routing capture: for every prompt token and every generated token, the top-k expert ids the engine itself
-used, per MoE layer. The last generated token has no successor, but the trainer's forward still routes it,
-so a finished request is fed once more (its row rides along in the next step; the output is discarded) to
-record that token's experts.
+used, per MoE layer (recorded the first time a position is computed; recomputation after a preemption records
+nothing new). The last generated token has no successor, but the trainer's forward still routes it, so a
+finished request is fed once more (its row rides along in the next step; the sample is discarded) to record
+that token's experts.
 
 T-PPO windows: a continuation is simply a new request whose prompt is prompt + earlier windows' tokens, with a
 fresh max_new_tokens; the KV cache never outlives a generate call, so after `load_weights` every prefix is
@@ -34,11 +40,11 @@ import numpy as np
 import torch
 
 from rollout.config import RolloutConfig
-from rollout.cuda_graphs import DecodeInputs, DecodeRunner
-from rollout.kv_cache import CachePlan, KVCache, available_bytes, plan_cache
-from rollout.model import MoeDecoder, PrefillPiece
+from rollout.kv_cache import BlockTable, CachePlan, KVCache, available_bytes, plan_cache
+from rollout.model import MoeDecoder
 from rollout.model_spec import MoeModelSpec
-from rollout.sampling import SamplingParams, counter_uniform_torch, sample
+from rollout.runner import CACHE_ROW, POSITION, SEQ, TOKEN, StepInputs, StepOutputs, StepRunner
+from rollout.sampling import SamplingParams
 from rollout.weights import WeightMap, allocate, init_random, load_checkpoint
 
 FINISH_REASONS = ("eos", "stop", "length")
@@ -68,37 +74,97 @@ class GenerationOutput:
         return len(self.prompt_token_ids) + len(self.token_ids)
 
 
+@dataclass(frozen=True)
+class StepTrace:
+    """One engine step, recorded when `RolloutConfig.trace_steps` is on (benchmarks: the roofline per step)."""
+
+    num_decode: int  # decoding rows
+    num_prefill: int  # prefill tokens
+    decode_keys: int  # keys the decoding rows attended to (sum of their positions + 1)
+    kv_positions: int  # positions in the blocks held after the step
+    experts_touched: int  # distinct experts the step's tokens used, summed over MoE layers
+    seconds: float
+
+
 @dataclass
 class GenerateStats:
-    """Counters of the last `generate` call (for benchmarks and logs)."""
+    """Counters of the last `generate` call (for the loop's metrics, benchmarks and logs). Steps that carry
+    decoding rows count as decode steps (mixed ones also carry prefill chunks); prefill_s is the time of steps
+    with no decoding row."""
 
     num_requests: int = 0
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
+    num_steps: int = 0
     num_decode_steps: int = 0
     num_decode_rows: int = 0
+    num_mixed_steps: int = 0
+    num_prefill_tokens: int = 0  # computed: recomputation after preemption included
+    num_preemptions: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    mixed_s: float = 0.0
+    max_seqs: int = 0
+    kv_block_size: int = 0
+    kv_blocks: int = 0  # usable blocks of the cache
+    kv_blocks_peak: int = 0
+    kv_block_steps: int = 0  # blocks held, summed over steps
+    peak_running: int = 0
     cuda_graphs: bool = False
     num_graphs: int = 0
+    steps: list[StepTrace] = field(default_factory=list)
+
+    @property
+    def decode_rows_mean(self) -> float:
+        return self.num_decode_rows / self.num_decode_steps if self.num_decode_steps else 0.0
+
+    @property
+    def kv_blocks_mean(self) -> float:
+        return self.kv_block_steps / self.num_steps if self.num_steps else 0.0
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     index: int
     prompt: list[int]
     params: SamplingParams
     seed: int
     stop_ids: frozenset[int]
-    row: int = -1
+    routes_TLK: np.ndarray  # rows [0, num_routed) recorded; grown by doubling
+    row: int = -1  # block-table row while running
+    num_cached: int = 0  # positions whose K/V are in the cache
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    route_chunks: list[np.ndarray] = field(default_factory=list)
+    num_routed: int = 0
     finish_reason: str | None = None
 
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.tokens)
+
+    @property
+    def target(self) -> int:
+        """Positions to prefill before decoding: the prompt, or after a preemption every token but the last
+        (which the next decode step feeds)."""
+        return self.length - 1 if self.tokens else len(self.prompt)
+
+    @property
+    def decoding(self) -> bool:
+        return self.row >= 0 and self.num_cached >= self.target
+
+    def record(self, start: int, routes_TLK: np.ndarray) -> None:
+        """Routes of positions [start, start + len): keeps those of positions not recorded yet (copied, so no
+        step's array stays alive)."""
+        new = routes_TLK[max(0, self.num_routed - start) :]
+        end = self.num_routed + len(new)
+        if not len(new):
+            return
+        if end > len(self.routes_TLK):
+            grown = np.empty((max(end, 2 * len(self.routes_TLK)), *new.shape[1:]), dtype=new.dtype)
+            grown[: self.num_routed] = self.routes_TLK[: self.num_routed]
+            self.routes_TLK = grown
+        self.routes_TLK[self.num_routed : end] = new
+        self.num_routed = end
 
 
 class RolloutEngine:
@@ -116,11 +182,10 @@ class RolloutEngine:
         self.cache_plan = self._plan_cache()
         self.cache = KVCache(spec, self.cache_plan, device, self.dtype)
         self.model = MoeDecoder(spec, weights, self.cache)
-        self.runner = DecodeRunner(self.model, self.config.cuda_graphs)
+        self.runner = self.new_runner(self.config.cuda_graphs)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         self.route_dtype = np.uint8 if spec.num_experts <= 256 else np.int16
         self.last_stats = GenerateStats()
-        self._batch_sizes = _batch_buckets(self.cache.num_slots)
 
     # ------------------------------------------------------------------------------------------ construction
     @classmethod
@@ -156,37 +221,62 @@ class RolloutEngine:
         return cls(spec, weights, device, config)
 
     def _plan_cache(self) -> CachePlan:
-        c = self.config
-        if c.max_model_len > self.spec.max_position_embeddings:
+        c, spec = self.config, self.spec
+        if c.max_model_len > spec.max_position_embeddings:
             raise ValueError(
-                f"max_model_len={c.max_model_len} exceeds the model's max_position_embeddings="
-                f"{self.spec.max_position_embeddings}"
+                f"rollout.max_model_len={c.max_model_len} exceeds the model's max_position_embeddings="
+                f"{spec.max_position_embeddings}; lower it (0 takes the model's limit)"
             )
-        per_token = self.spec.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
+        if c.max_step_tokens < c.max_batch_size:
+            raise ValueError(
+                f"rollout.max_step_tokens={c.max_step_tokens} is below rollout.max_batch_size="
+                f"{c.max_batch_size}: every decoding sequence feeds one token per step; raise max_step_tokens "
+                "or lower max_batch_size"
+            )
+        if c.kv_block_size % 16:
+            raise ValueError(f"rollout.kv_block_size={c.kv_block_size} is not a multiple of 16")
+        max_model_len = c.max_model_len or spec.max_position_embeddings
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        per_token = spec.kv_bytes_per_token(element_size)
         if c.kv_cache_tokens > 0:
-            budget, source = c.kv_cache_tokens * per_token, f"kv_cache_tokens={c.kv_cache_tokens}"
+            budget, source = c.kv_cache_tokens * per_token, f"rollout.kv_cache_tokens={c.kv_cache_tokens}"
         else:
             free = available_bytes(self.device)
             budget = int(c.kv_cache_fraction * free)
             source = (
-                f"kv_cache_fraction={c.kv_cache_fraction} of {free / 2**30:.2f} GiB free on {self.device}"
+                f"rollout.kv_cache_fraction={c.kv_cache_fraction} of {free / 2**30:.2f} GiB free on "
+                f"{self.device}"
             )
+        block_size = c.kv_block_size or -(-max_model_len // 16) * 16
         return plan_cache(
-            self.spec,
-            torch.empty((), dtype=self.dtype).element_size(),
-            max_model_len=c.max_model_len,
-            max_batch_size=c.max_batch_size,
+            spec,
+            element_size,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            max_seqs=c.max_batch_size,
             budget_bytes=budget,
             source=source,
         )
 
+    def new_runner(self, cuda_graphs: bool) -> StepRunner:
+        """The step runner (a fresh one after the device memory was released: graphs hold old addresses)."""
+        c = self.config
+        return StepRunner(
+            self.model,
+            cuda_graphs,
+            max_step_tokens=c.max_step_tokens,
+            max_seqs=c.max_batch_size,
+            graph_max_tokens=c.cuda_graph_max_tokens,
+        )
+
     @property
-    def num_slots(self) -> int:
-        return self.cache.num_slots
+    def max_seqs(self) -> int:
+        """Sequences decoded at once at most (block-table rows)."""
+        return self.cache_plan.max_seqs
 
     @property
     def max_model_len(self) -> int:
-        return self.cache.max_model_len
+        return self.cache_plan.max_model_len
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -207,25 +297,28 @@ class RolloutEngine:
     ) -> list[GenerationOutput]:
         """Generate for every prompt (prompt = prompt + earlier windows for a T-PPO continuation)."""
         requests = self._make_requests(prompt_token_ids, params)
+        plan = self.cache_plan
         self.last_stats = stats = GenerateStats(
-            num_requests=len(requests), num_prompt_tokens=sum(len(r.prompt) for r in requests)
+            num_requests=len(requests),
+            num_prompt_tokens=sum(len(r.prompt) for r in requests),
+            max_seqs=plan.max_seqs,
+            kv_block_size=plan.block_size,
+            kv_blocks=plan.num_blocks - 1,
         )
-        rows = _Rows(self.num_slots)
-        waiting, done = deque(requests), []
+        self.cache.reset()
+        scheduler = _Scheduler(self.cache.table, requests, self.config.max_step_tokens)
+        done: list[_Request] = []
         with torch.inference_mode():
-            while waiting or rows.num_used:
-                free = rows.free()
-                if waiting and free:
-                    admitted = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
-                    for req, row in zip(admitted, free):
-                        rows.put(row, req)
-                    t0 = time.perf_counter()
-                    self._prefill(admitted, rows)
-                    stats.prefill_s += time.perf_counter() - t0
+            while not scheduler.idle:
+                step = scheduler.next_step()
+                held = self.cache.table.num_used_blocks
+                inputs = self._inputs(step)
                 t0 = time.perf_counter()
-                self._compact(rows)
-                done += self._decode_step(rows)
-                stats.decode_s += time.perf_counter() - t0
+                out = self.runner.run(inputs)
+                seconds = time.perf_counter() - t0
+                done += self._advance(step, out, scheduler)
+                self._count(stats, step, inputs, out, held, seconds)
+        stats.num_preemptions = scheduler.num_preemptions
         stats.num_generated_tokens = sum(len(r.tokens) for r in requests)
         stats.cuda_graphs, stats.num_graphs = self.runner.use_cuda_graphs, self.runner.num_graphs
         return [self._output(r) for r in sorted(done, key=lambda r: r.index)]
@@ -246,7 +339,8 @@ class RolloutEngine:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             prompt = self._check_prompt(i, prompt, p)
             seed = p.seed if p.seed is not None else secrets.randbits(63)
-            requests.append(_Request(i, prompt, p, seed, frozenset(p.stop_token_ids)))
+            routes = np.empty((len(prompt) + 16, self.spec.num_moe_layers, self.spec.top_k), self.route_dtype)
+            requests.append(_Request(i, prompt, p, seed, frozenset(p.stop_token_ids), routes))
         return requests
 
     def _check_prompt(self, i: int, prompt: Sequence[int], p: SamplingParams) -> list[int]:
@@ -263,110 +357,124 @@ class RolloutEngine:
         if len(prompt) + p.max_new_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt_token_ids[{i}]: {len(prompt)} prompt tokens + max_new_tokens="
-                f"{p.max_new_tokens} exceed max_model_len={self.max_model_len}"
+                f"{p.max_new_tokens} exceed rollout.max_model_len={self.max_model_len} (the model allows "
+                f"{self.spec.max_position_embeddings}): raise it or lower max_new_tokens"
             )
         return prompt
 
-    # ------------------------------------------------------------------------------------------ prefill
-    def _prefill(self, requests: list[_Request], rows: _Rows) -> None:
-        for chunk in _pack_pieces(requests, self.config.max_prefill_tokens):
-            pieces = [PrefillPiece(r.row, start, n) for r, start, n in chunk]
-            tokens = [t for r, start, n in chunk for t in r.prompt[start : start + n]]
-            ends, last_index, offset = [], [], 0
-            for r, start, n in chunk:
-                offset += n
-                if start + n == len(r.prompt):
-                    ends.append(r)
-                    last_index.append(offset - 1)
-            tokens_T = torch.tensor(tokens, dtype=torch.long, device=self.device)
-            logits_RV, routes_TLK = self.model.prefill(tokens_T, pieces, last_index)
-            if ends:
-                idx = [r.row for r in ends]
-                counters = np.array([len(r.prompt) for r in ends], dtype=np.int64)
-                tokens_R, logprobs_R = self._sample(logits_RV, rows, idx, counters)
-            routes = routes_TLK.cpu().numpy().astype(self.route_dtype)
-            offset = 0
-            for r, _, n in chunk:
-                r.route_chunks.append(routes[offset : offset + n])
-                offset += n
-            if ends:
-                for r, tok, lp in zip(ends, tokens_R.tolist(), logprobs_R.tolist()):
-                    self._append(r, tok, lp, rows)
+    # ------------------------------------------------------------------------------------------ steps
+    def _inputs(self, step: _Step) -> StepInputs:
+        """The step's flat tokens (decode rows, then prefill pieces) and the sampling rows, as arrays."""
+        table = self.cache.table
+        decode, pieces = step.decode, step.pieces
+        n = len(decode)
+        total = n + sum(m for _, _, m in pieces)
+        tok = np.empty((total, 4), dtype=np.int64)
+        if n:
+            rows = np.fromiter((r.row for r in decode), np.int64, n)
+            pos = np.fromiter((r.length - 1 for r in decode), np.int64, n)
+            bs = table.plan.block_size
+            tok[:n, TOKEN] = [r.tokens[-1] for r in decode]
+            tok[:n, POSITION], tok[:n, SEQ] = pos, rows
+            tok[:n, CACHE_ROW] = table.table_RB[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        spans, offset = [], n
+        for r, start, m in pieces:
+            seq = r.prompt + r.tokens if r.tokens else r.prompt
+            tok[offset : offset + m, TOKEN] = seq[start : start + m]
+            tok[offset : offset + m, POSITION] = np.arange(start, start + m)
+            tok[offset : offset + m, SEQ] = r.row
+            tok[offset : offset + m, CACHE_ROW] = table.cache_rows(r.row, start, start + m)
+            spans.append((offset, m))
+            offset += m
+        sampled = [*decode, *(r for r, _, _ in step.ends)]
+        samples = [
+            *range(n),
+            *(o + m - 1 for (o, m), (r, s, _) in zip(spans, pieces) if (r, s, m) in step.ends),
+        ]
+        return StepInputs(
+            tokens_T4=tok,
+            num_decode=n,
+            pieces=spans,
+            samples_S=np.asarray(samples, dtype=np.int64),
+            seeds_S=np.fromiter((r.seed for r in sampled), np.uint64, len(sampled)),
+            top_k_S=np.fromiter((r.params.top_k for r in sampled), np.int64, len(sampled)),
+            # a finished request's last step only records its token's experts: sample it greedily
+            temperature_S=np.fromiter(
+                (0.0 if r.finish_reason else r.params.temperature for r in sampled), np.float32, len(sampled)
+            ),
+            top_p_S=np.fromiter((r.params.top_p for r in sampled), np.float32, len(sampled)),
+        )
 
-    # ------------------------------------------------------------------------------------------ decode
-    def _decode_step(self, rows: _Rows) -> list[_Request]:
-        used = rows.used()
-        b = self._bucket(used[-1] + 1)
-        num_keys = key_bucket(int(rows.position[:b].max()) + 1, self.max_model_len)
-        out = self.runner.run(rows.inputs(b), num_keys)
-        tokens, logprobs = out.tokens_B.tolist(), out.logprobs_B.tolist()
-        routes = out.routes_BLK.astype(self.route_dtype)
-        stats = self.last_stats
-        stats.num_decode_steps += 1
-        stats.num_decode_rows += b
+    def _advance(self, step: _Step, out: StepOutputs, scheduler: _Scheduler) -> list[_Request]:
+        """Record the step's routing, append the sampled tokens, retire finished requests."""
+        routes = out.routes_TLK.astype(self.route_dtype)
+        tokens, logprobs = out.tokens_S.tolist(), out.logprobs_S.tolist()
         finished = []
-        for i in used:
-            r = rows.req[i]
-            r.route_chunks.append(routes[i : i + 1])
+        for i, r in enumerate(step.decode):
+            r.record(r.length - 1, routes[i : i + 1])
+            r.num_cached = r.length
             if r.finish_reason is not None:  # this step only recorded its last token's experts
-                rows.clear(i)
+                scheduler.retire(r)
                 finished.append(r)
             else:
-                self._append(r, tokens[i], logprobs[i], rows)
+                self._append(r, tokens[i], logprobs[i])
+        offset, j = len(step.decode), len(step.decode)
+        for piece in step.pieces:
+            r, start, m = piece
+            r.record(start, routes[offset : offset + m])
+            r.num_cached = start + m
+            offset += m
+            if piece in step.ends:
+                self._append(r, tokens[j], logprobs[j])
+                j += 1
         return finished
 
-    def _sample(
-        self, logits_BV: torch.Tensor, rows: _Rows, index, counters: np.ndarray
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per logits row, with the sampling parameters of rows[index] and the given counters."""
-        temperature, top_p, top_k = rows.temperature[index], rows.top_p[index], rows.top_k[index]
-        filtered = bool(((top_p < 1) | (top_k > 0)).any())
-        dev = self.device
-        uniform = counter_uniform_torch(
-            torch.from_numpy(rows.seed[index].view(np.int64)).to(dev), torch.from_numpy(counters).to(dev)
-        )
-        return sample(
-            logits_BV,
-            torch.from_numpy(temperature).to(dev),
-            torch.from_numpy(top_k).to(dev),
-            torch.from_numpy(top_p).to(dev),
-            uniform,
-            filtered,
-        )
-
-    def _append(self, r: _Request, token: int, logprob: float, rows: _Rows) -> None:
+    def _append(self, r: _Request, token: int, logprob: float) -> None:
         r.tokens.append(token)
         r.logprobs.append(logprob)
-        rows.token[r.row], rows.position[r.row] = token, r.length - 1
         if token in self.eos_token_ids and not r.params.ignore_eos:
             r.finish_reason = "eos"
         elif token in r.stop_ids:
             r.finish_reason = "stop"
         elif len(r.tokens) >= r.params.max_new_tokens:
             r.finish_reason = "length"
-        if r.finish_reason is not None:
-            rows.temperature[r.row] = 0.0  # its last step only records routing: sample it greedily
 
-    def _bucket(self, rows_needed: int) -> int:
-        return next(b for b in self._batch_sizes if b >= rows_needed)
-
-    def _compact(self, rows: _Rows) -> None:
-        """Move requests from high rows into free low rows when that lets the step use a smaller batch bucket."""
-        used = rows.used()
-        if not used:
-            return
-        target = self._bucket(len(used))
-        if self._bucket(used[-1] + 1) <= target:
-            return
-        free_low = [i for i in range(target) if rows.req[i] is None]
-        for src in reversed([i for i in used if i >= target]):
-            dst = free_low.pop(0)
-            self.cache.move(src, dst, rows.req[src].length)
-            rows.move(src, dst)
+    def _count(
+        self,
+        stats: GenerateStats,
+        step: _Step,
+        inputs: StepInputs,
+        out: StepOutputs,
+        held: int,
+        seconds: float,
+    ) -> None:
+        """Step counts; `held` = the KV blocks held while the step ran."""
+        n, prefill = len(step.decode), inputs.num_tokens - len(step.decode)
+        table = self.cache.table
+        stats.num_steps += 1
+        stats.num_prefill_tokens += prefill
+        if n:
+            stats.num_decode_steps += 1
+            stats.num_decode_rows += n
+            stats.decode_s += seconds
+            if prefill:
+                stats.num_mixed_steps += 1
+                stats.mixed_s += seconds
+        else:
+            stats.prefill_s += seconds
+        stats.kv_blocks_peak = max(stats.kv_blocks_peak, held)
+        stats.kv_block_steps += held
+        stats.peak_running = max(stats.peak_running, step.num_running)
+        if self.config.trace_steps:
+            layers, experts = self.spec.num_moe_layers, self.spec.num_experts
+            flat = (np.arange(layers)[None, :, None] * experts + out.routes_TLK).ravel()
+            touched = int((np.bincount(flat, minlength=layers * experts) > 0).sum())
+            keys = int(inputs.tokens_T4[:n, POSITION].sum()) + n
+            stats.steps.append(StepTrace(n, prefill, keys, held * table.plan.block_size, touched, seconds))
 
     def _output(self, r: _Request) -> GenerationOutput:
-        routes = np.concatenate(r.route_chunks, axis=0)
-        assert routes.shape[0] == r.length, (routes.shape, r.length)
+        assert r.num_routed == r.length, (r.num_routed, r.length)
+        routes = r.routes_TLK[: r.num_routed].copy()
         return GenerationOutput(
             index=r.index,
             prompt_token_ids=r.prompt,
@@ -378,56 +486,89 @@ class RolloutEngine:
         )
 
 
-class _Rows:
-    """Decode rows (= cache slots): the request in each and, as arrays, what a step needs from it (the token to
-    feed, its position, sampling parameters), so building a step's inputs needs no per-row Python work."""
+@dataclass(frozen=True)
+class _Step:
+    """What the scheduler picked: decoding requests (one token each) and prefill pieces (request, first
+    position, length); `ends` are the pieces that complete a fresh prompt (their last token's successor is
+    sampled)."""
 
-    def __init__(self, n: int) -> None:
-        self.req: list[_Request | None] = [None] * n
-        self.token = np.zeros(n, dtype=np.int64)
-        self.position = np.zeros(n, dtype=np.int64)
-        self.temperature = np.zeros(n, dtype=np.float32)
-        self.top_p = np.ones(n, dtype=np.float32)
-        self.top_k = np.zeros(n, dtype=np.int64)
-        self.seed = np.zeros(n, dtype=np.uint64)
-        self.num_used = 0
+    decode: list[_Request]
+    pieces: list[tuple[_Request, int, int]]
+    ends: list[tuple[_Request, int, int]]
+    num_running: int
 
-    def inputs(self, b: int) -> DecodeInputs:
-        """The decode-step inputs of rows [0, b) (views: the runner copies them before the next change)."""
-        return DecodeInputs(
-            self.token[:b],
-            self.position[:b],
-            self.seed[:b],
-            self.top_k[:b],
-            self.temperature[:b],
-            self.top_p[:b],
-        )
 
-    def used(self) -> list[int]:
-        return [i for i, r in enumerate(self.req) if r is not None]
+class _Scheduler:
+    """Admission, block growth and preemption over one `generate` call (see the module docstring)."""
 
-    def free(self) -> list[int]:
-        return [i for i, r in enumerate(self.req) if r is None]
+    def __init__(self, table: BlockTable, requests: list[_Request], max_step_tokens: int) -> None:
+        self.table = table
+        self.waiting: deque[_Request] = deque(requests)
+        self.running: list[_Request] = []  # admission order: the last is the youngest
+        self.max_step_tokens = max_step_tokens
+        # Blocks kept free at admission for the decoding rows' growth (preempting right after admitting wastes
+        # the admitted prefill); none when a sequence's first block holds all its positions (slot layout).
+        plan = table.plan
+        self.reserve = max(1, (plan.num_blocks - 1) // 100) if plan.blocks_per_seq > 1 else 0
+        self.num_preemptions = 0
 
-    def put(self, row: int, req: _Request) -> None:
-        p = req.params
-        self.req[row], req.row = req, row
-        self.temperature[row], self.top_p[row], self.top_k[row] = p.temperature, p.top_p, p.top_k
-        self.seed[row] = req.seed
-        self.num_used += 1
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
 
-    def clear(self, row: int) -> None:
-        self.req[row] = None
-        self.token[row] = self.position[row] = self.top_k[row] = self.seed[row] = 0
-        self.temperature[row], self.top_p[row] = 0.0, 1.0
-        self.num_used -= 1
+    def next_step(self) -> _Step:
+        self._admit()
+        for r in list(self.running):
+            if r.decoding:  # False for one preempted by an earlier row's growth (row -1)
+                self._grow(r)
+        decode = [r for r in self.running if r.decoding]
+        budget, pieces = self.max_step_tokens - len(decode), []
+        for r in self.running:
+            if budget <= 0:
+                break
+            if not r.decoding:
+                m = min(budget, r.target - r.num_cached)
+                pieces.append((r, r.num_cached, m))
+                budget -= m
+        if not decode and not pieces:
+            raise RuntimeError(
+                f"rollout scheduler: no step possible with {len(self.waiting)} waiting requests and "
+                f"{self.table.num_free_blocks} free KV blocks (a bug: the cache holds one full-length sequence)"
+            )
+        ends = [p for p in pieces if p[1] + p[2] == p[0].target and not p[0].tokens]
+        return _Step(decode, pieces, ends, len(self.running))
 
-    def move(self, src: int, dst: int) -> None:
-        for a in (self.token, self.position, self.temperature, self.top_p, self.top_k, self.seed):
-            a[dst] = a[src]
-        self.req[dst], self.req[src].row = self.req[src], dst
-        self.num_used += 1
-        self.clear(src)
+    def retire(self, r: _Request) -> None:
+        self.table.release(r.row)
+        self.running.remove(r)
+        r.row = -1
+
+    def _admit(self) -> None:
+        while self.waiting and self.table.num_free_rows:
+            r = self.waiting[0]
+            need = self.table.blocks_for(r.target)
+            reserve = self.reserve if self.running else 0
+            if need + reserve > self.table.num_free_blocks:
+                return
+            self.waiting.popleft()
+            r.row = self.table.open_row()
+            self.table.grow(r.row, r.target)
+            self.running.append(r)
+
+    def _grow(self, r: _Request) -> None:
+        """Blocks for the position r feeds next; preempts the youngest running requests until they fit."""
+        while not self.table.grow(r.row, r.length):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is r:
+                return
+
+    def _preempt(self, r: _Request) -> None:
+        self.table.release(r.row)
+        self.running.remove(r)
+        r.row, r.num_cached = -1, 0
+        self.waiting.appendleft(r)
+        self.num_preemptions += 1
 
 
 def _resolve_dtype(dtype: str | torch.dtype, spec: MoeModelSpec, config: RolloutConfig | None) -> torch.dtype:
@@ -440,33 +581,3 @@ def _resolve_dtype(dtype: str | torch.dtype, spec: MoeModelSpec, config: Rollout
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected 'auto', a torch dtype or one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
-
-
-def key_bucket(num_keys: int, max_model_len: int) -> int:
-    """Attended length of a decode step rounded up (one CUDA graph per bucket): to a multiple of 64, or of 1/16 of
-    the next power of two for long sequences, so padding stays under ~12% and the number of buckets small."""
-    step = max(64, (1 << max(0, (num_keys - 1).bit_length())) // 16)
-    return min(max_model_len, -(-num_keys // step) * step)
-
-
-def _batch_buckets(num_slots: int) -> list[int]:
-    """Decode batch sizes a step is padded to (each one a CUDA graph): fine at small batch, every 32 above 64."""
-    sizes = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, *range(96, num_slots, 32), num_slots]
-    return sorted({s for s in sizes if s <= num_slots})
-
-
-def _pack_pieces(requests: list[_Request], budget: int) -> list[list[tuple[_Request, int, int]]]:
-    """Cut prompts into (request, start, length) pieces packed into chunks of at most `budget` tokens, in order."""
-    chunks, current, used = [], [], 0
-    for r in requests:
-        start = 0
-        while start < len(r.prompt):
-            n = min(len(r.prompt) - start, budget - used)
-            current.append((r, start, n))
-            start, used = start + n, used + n
-            if used == budget:
-                chunks.append(current)
-                current, used = [], 0
-    if current:
-        chunks.append(current)
-    return chunks

@@ -1,31 +1,48 @@
-"""Slot-based KV cache: one fixed-length slot per in-flight sequence, sized once from a memory budget.
+"""Paged KV cache: fixed-size blocks of positions, a block table per sequence, memory that follows real lengths.
 
-K and V live in two tensors `[L, S, P, N, D]` (all layers together, so moving a sequence between slots is two
-copies; the heads of one position adjacent, so writing a token's K/V is one `index_copy_` into the flattened
-`[S * P, N, D]` view of a layer). Decode rows are slots: row i of a decode batch reads and writes slot i, so
-attention reads the cache in place (no gather), through `[B, N, P, D]` transposed views. A slot holds at most `max_model_len` positions; the number of slots is the budget divided by
-that, capped at `max_batch_size`. Departure from paged caches (vLLM): memory is reserved per slot at the maximum
-length; in exchange decode attention is one dense SDPA call over `[B, N, P, D]` views, which plain PyTorch runs
-fast and CUDA graphs capture.
+K and V live in two tensors `[L, X, M, D]` with X = num_blocks * block_size flat rows (all layers together; the
+heads of one position adjacent, so writing a token's K/V is one `index_copy_` into a layer's `[X, M, D]` view).
+Position p of the sequence in block-table row r sits at flat row `table[r, p // block_size] * block_size +
+p % block_size`. Block 0 is never handed out: padding tokens of a captured step write and read it, and the
+table's last row (all zeros) is the row those padding tokens belong to.
 
-Legend: L layers, S slots, P positions (max_model_len), N kv heads, D head dim, B rows.
+The host owns the table (`BlockTable`: allocation, release, a free list); the device keeps a copy refreshed
+before a step when the host changed it. A slot cache (one `max_model_len` region per sequence, reserved up
+front) is the special case block_size = max_model_len: the engine runs it that way to compare the two.
+
+Legend: L layers, X flat cache rows, M kv heads, D head dim, R block-table rows (sequences + the padding row),
+B blocks per sequence at most.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rollout.model_spec import MoeModelSpec
 
+NULL_BLOCK = 0
+
 
 @dataclass(frozen=True)
 class CachePlan:
-    num_slots: int
+    num_blocks: int  # including the null block
+    block_size: int
     max_model_len: int
+    max_seqs: int
     budget_bytes: int
     bytes_per_token: int
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def num_positions(self) -> int:
+        """Positions the usable blocks hold (the null block excluded)."""
+        return (self.num_blocks - 1) * self.block_size
 
 
 def plan_cache(
@@ -33,20 +50,33 @@ def plan_cache(
     element_size: int,
     *,
     max_model_len: int,
-    max_batch_size: int,
+    block_size: int,
+    max_seqs: int,
     budget_bytes: int,
     source: str,
 ) -> CachePlan:
-    """Slots = min(max_batch_size, budget // (max_model_len * bytes per token)); fewer than one is an error now."""
+    """Usable blocks = budget // (block_size * bytes per token), capped at what max_seqs full-length sequences can
+    use, plus the null block (outside the budget); fewer than one full-length sequence is an error that names
+    the settings to change."""
     per_token = spec.kv_bytes_per_token(element_size)
-    fit = budget_bytes // (per_token * max_model_len)
-    if fit < 1:
+    plan = CachePlan(0, block_size, max_model_len, max_seqs, budget_bytes, per_token)
+    fit = budget_bytes // (per_token * block_size)
+    need = plan.blocks_per_seq
+    if fit < need:
         raise ValueError(
             f"KV cache: {source} gives {budget_bytes / 2**20:.1f} MiB, which cannot hold one sequence of "
-            f"max_model_len={max_model_len} tokens ({per_token * max_model_len / 2**20:.1f} MiB at {per_token} "
-            f"bytes/token); raise kv_cache_fraction / kv_cache_tokens or lower max_model_len"
+            f"rollout.max_model_len={max_model_len} tokens ({need * block_size * per_token / 2**20:.1f} MiB in "
+            f"blocks of {block_size} at {per_token} bytes/token); raise rollout.kv_cache_fraction or "
+            "rollout.kv_cache_tokens, or lower rollout.max_model_len"
         )
-    return CachePlan(min(max_batch_size, fit), max_model_len, budget_bytes, per_token)
+    return CachePlan(
+        min(fit, max_seqs * plan.blocks_per_seq) + 1,
+        block_size,
+        max_model_len,
+        max_seqs,
+        budget_bytes,
+        per_token,
+    )
 
 
 def available_bytes(device: torch.device) -> int:
@@ -59,36 +89,122 @@ def available_bytes(device: torch.device) -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(
-        "cannot read MemAvailable from /proc/meminfo to size the KV cache; set kv_cache_tokens"
+        "cannot read MemAvailable from /proc/meminfo to size the KV cache; set rollout.kv_cache_tokens"
     )
 
 
+class BlockTable:
+    """Which blocks each sequence row holds (host side) and the free blocks: allocation is all-or-nothing, so a
+    failed `grow` leaves the row as it was and the caller can preempt and retry."""
+
+    def __init__(self, plan: CachePlan) -> None:
+        self.plan = plan
+        self.table_RB = np.zeros((plan.max_seqs + 1, plan.blocks_per_seq), dtype=np.int32)
+        self.num_held_R = np.zeros(plan.max_seqs + 1, dtype=np.int64)
+        # Popped from the end: low block ids first, so a fresh engine fills memory from the start.
+        self._free = list(range(plan.num_blocks - 1, NULL_BLOCK, -1))
+        self._free_rows = list(range(plan.max_seqs - 1, -1, -1))
+        self.version = 0  # bumped on every change, so the device copy is refreshed only when needed
+
+    @property
+    def padding_row(self) -> int:
+        return self.plan.max_seqs
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.plan.num_blocks - 1 - len(self._free)
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def blocks_for(self, num_positions: int) -> int:
+        return -(-num_positions // self.plan.block_size)
+
+    def open_row(self) -> int:
+        """A free sequence row, holding no blocks yet."""
+        if not self._free_rows:
+            raise RuntimeError("no free sequence row (the scheduler admits at most max_batch_size sequences)")
+        return self._free_rows.pop()
+
+    def grow(self, row: int, num_positions: int) -> bool:
+        """Give `row` blocks for positions [0, num_positions); False (nothing changed) when blocks run out."""
+        need = self.blocks_for(num_positions) - int(self.num_held_R[row])
+        if need <= 0:
+            return True
+        if need > len(self._free):
+            return False
+        held = int(self.num_held_R[row])
+        for j in range(held, held + need):
+            self.table_RB[row, j] = self._free.pop()
+        self.num_held_R[row] = held + need
+        self.version += 1
+        return True
+
+    def release(self, row: int) -> None:
+        """Return the row's blocks (most recently taken first back on top) and the row itself."""
+        held = int(self.num_held_R[row])
+        self._free.extend(int(b) for b in self.table_RB[row, :held][::-1])
+        self.table_RB[row, :held] = NULL_BLOCK
+        self.num_held_R[row] = 0
+        self._free_rows.append(row)
+        self.version += 1
+
+    def cache_rows(self, row: int, start: int, stop: int) -> np.ndarray:
+        """Flat cache rows of positions [start, stop) of `row` (int64)."""
+        positions = np.arange(start, stop)
+        bs = self.plan.block_size
+        return self.table_RB[row, positions // bs].astype(np.int64) * bs + positions % bs
+
+
 class KVCache:
-    """K and V of every slot and layer, zero-initialised (masked positions must hold finite values: 0 * NaN)."""
+    """K and V of every block and layer (zero-initialised: masked positions must hold finite values) and the
+    device copy of the block table."""
 
     def __init__(self, spec: MoeModelSpec, plan: CachePlan, device: torch.device, dtype: torch.dtype) -> None:
-        shape = (spec.num_layers, plan.num_slots, plan.max_model_len, spec.num_kv_heads, spec.head_dim)
-        self.k_LSPND = torch.zeros(shape, device=device, dtype=dtype)
-        self.v_LSPND = torch.zeros(shape, device=device, dtype=dtype)
-        self.num_slots = plan.num_slots
-        self.max_model_len = plan.max_model_len
+        shape = (spec.num_layers, plan.num_blocks * plan.block_size, spec.num_kv_heads, spec.head_dim)
+        self.k_LXMD = torch.zeros(shape, device=device, dtype=dtype)
+        self.v_LXMD = torch.zeros(shape, device=device, dtype=dtype)
+        self.plan = plan
+        self.table = BlockTable(plan)
+        self.table_RB = torch.zeros(self.table.table_RB.shape, dtype=torch.int32, device=device)
+        self._pinned_RB = torch.from_numpy(self.table.table_RB)
+        if device.type == "cuda":
+            self._pinned_RB = torch.zeros_like(self._pinned_RB).pin_memory()
+        self._synced_version = -1
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` positions of slot `src` into slot `dst` (compaction of decode rows)."""
-        self.k_LSPND[:, dst, :length].copy_(self.k_LSPND[:, src, :length])
-        self.v_LSPND[:, dst, :length].copy_(self.v_LSPND[:, src, :length])
+    @property
+    def block_size(self) -> int:
+        return self.plan.block_size
 
-    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer as [S * P, N, D] views: row slot * max_model_len + position."""
-        k, v = self.k_LSPND[layer], self.v_LSPND[layer]
-        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+    @property
+    def max_model_len(self) -> int:
+        return self.plan.max_model_len
 
-    def keys_values(self, layer: int, rows: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the first `rows` slots and `num_keys` positions as [B, N, S, D] views (no copy)."""
-        return (
-            self.k_LSPND[layer, :rows, :num_keys].transpose(1, 2),
-            self.v_LSPND[layer, :rows, :num_keys].transpose(1, 2),
-        )
+    def reset(self) -> None:
+        """Every row and block free again (a generate call that raised may have left some held)."""
+        self.table = BlockTable(self.plan)
+        self._synced_version = -1
+
+    def sync_table(self) -> None:
+        """Copy the host block table to the device if it changed since the last copy (stream-ordered)."""
+        if self._synced_version == self.table.version:
+            return
+        if self._pinned_RB.data_ptr() != self.table.table_RB.ctypes.data:
+            self._pinned_RB.numpy()[:] = self.table.table_RB
+        self.table_RB.copy_(self._pinned_RB, non_blocking=True)
+        self._synced_version = self.table.version
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer as [X, M, D] views."""
+        return self.k_LXMD[layer], self.v_LXMD[layer]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k_LXMD, self.v_LXMD]
 
     def num_bytes(self) -> int:
-        return 2 * self.k_LSPND.numel() * self.k_LSPND.element_size()
+        return 2 * self.k_LXMD.numel() * self.k_LXMD.element_size()

@@ -1,25 +1,22 @@
-"""Forward passes of a Qwen3-MoE / Mixtral decoder over the slot KV cache: prefill (many sequences, flat tokens)
-and decode (one token per slot row, fixed shapes so a CUDA graph can capture it).
+"""The forward pass of a Qwen3-MoE / Mixtral decoder over the paged KV cache: one engine step is a flat batch of
+tokens (decode rows, one token each, then chunks of prompts being prefilled), every shape fixed by the step's
+token count so a CUDA graph can capture it.
 
 Numerics follow transformers' modeling code (RMSNorm in fp32, RoPE tables in fp32 cast to the model dtype,
 router softmax in fp32, top-k then optional renormalisation), so greedy tokens, log-probs and routing match it.
 The experts run as two `torch._grouped_mm` calls over the routed (token, expert) pairs sorted by expert (a stable
-sort on int16 expert ids: a quarter of the radix passes of int64 keys, the same order); GPU decode batches with
-8-64 pairs per expert instead run dense `torch.bmm` over a fixed number of rows per expert plus grouped GEMMs over
-the pairs that do not fit (`padded_rows`, `_padded_ffn`, `padded_capacity`). The weighted sum over the k experts of a token
-is one batched matmul (deterministic, unlike an atomic index_add).
-Every function is free of host synchronisation (no `.item()`, no data-dependent shapes) in the decode path.
+sort on int16 expert ids: a quarter of the radix passes of int64 keys, the same order); GPU batches with 8-64
+pairs per expert instead run dense `torch.bmm` over a fixed number of rows per expert plus grouped GEMMs over
+the pairs that do not fit (`padded_rows`, `_padded_ffn`, `padded_capacity`). The weighted sum over the k experts
+of a token is one batched matmul (deterministic, unlike an atomic index_add).
+Every function is free of host synchronisation (no `.item()`, no data-dependent shapes).
 
-Decode attention: on CUDA (half precision) FlashAttention-2's variable-length kernel reads each slot's keys in
-place from the cache (cumulative key offsets slot * max_model_len, `seqused_k` = position + 1 keys per row, GQA
-without copying K/V); elsewhere one SDPA call with an additive mask over `[B, M, S, D]` cache views. The flash
-path is only taken after a probe on the device matched SDPA (`flash_decode_works`). Measured on the H200
-(bench/rollout_kernels.py, 256 rows, 192-key bucket): 63 us per layer, the same as masked SDPA (61 us); it is
-kept because it reads only each row's own keys (no padding to the key bucket) and needs no mask.
+Attention reads K/V through the block table (`rollout.paged_attention`: Triton kernels on CUDA, an exact
+SDPA reference elsewhere); each token's K/V is written into its cache row before the layer attends, so a
+prefill chunk sees its own keys and those cached by earlier steps.
 
-Legend: T flat tokens, B decode rows (= cache slots), X = B*G folded query rows, H hidden, C fused qkv width, N q heads, M kv heads,
-G q heads per kv head, D head dim, S attended positions, E experts, K top-k, R = T*K routed pairs,
-F FFN width, V vocab, L MoE layers.
+Legend: T flat tokens, S sampled tokens, H hidden, C fused qkv width, N q heads, M kv heads, D head dim,
+X flat cache rows, E experts, K top-k, R = T*K routed pairs, F FFN width, V vocab, L MoE layers.
 """
 
 from __future__ import annotations
@@ -35,26 +32,19 @@ import torch.nn.functional as F
 
 from rollout.kv_cache import KVCache
 from rollout.model_spec import MoeModelSpec
+from rollout.paged_attention import AttentionBatch, paged_attention
 from rollout.weights import LayerWeights, ModelWeights
 
 
 @dataclass(frozen=True)
-class _AttentionGroup:
-    """Fresh prefill pieces attended together: their tokens gathered into a padded [n, Lmax] batch."""
+class StepBatch:
+    """Device tensors of one engine step: T flat tokens (decode rows first, then prefill chunks)."""
 
-    gather_nl: torch.Tensor  # flat token index of each (piece, position); padding repeats a valid index
-    valid_nl: torch.Tensor  # bool: real (not padding) positions
-    scatter_t: torch.Tensor  # flat token index of each valid position, in valid_nl's row-major order
-    mask_n1ll: torch.Tensor | None  # causal & key < length; None when every piece has the same length
-
-
-@dataclass(frozen=True)
-class PrefillPiece:
-    """A run of `length` prompt tokens of one sequence, at positions [start, start + length) of cache `slot`."""
-
-    slot: int
-    start: int
-    length: int
+    tokens_T: torch.Tensor  # int64
+    positions_T: torch.Tensor  # int64
+    cache_rows_T: torch.Tensor  # int64: flat cache row that receives the token's K/V
+    attention: AttentionBatch
+    sample_S: torch.Tensor  # int64: flat indices of the tokens whose next-token logits are wanted
 
 
 def rope_tables(
@@ -79,7 +69,7 @@ def apply_rope(x_TND: torch.Tensor, cos_TD: torch.Tensor, signed_sin_TD: torch.T
 
 
 class MoeDecoder:
-    """The model's forward passes; holds no state besides weights, cache and constant tables."""
+    """The model's forward pass; holds no state besides weights, cache and constant tables."""
 
     def __init__(self, spec: MoeModelSpec, weights: ModelWeights, cache: KVCache) -> None:
         self.spec = spec
@@ -89,14 +79,6 @@ class MoeDecoder:
         self.cos_PD, self.sin_PD = rope_tables(spec, cache.max_model_len, device, dtype)
         self.sort_dtype = torch.int16 if spec.num_experts <= 2**15 else torch.int32
         self.experts_E = torch.arange(spec.num_experts, device=device, dtype=self.sort_dtype)
-        self.positions_P = torch.arange(cache.max_model_len, device=device)
-        self.rows_S = torch.arange(cache.num_slots, device=device)
-        # Flash varlen decode: row b holds G query rows (its q heads of one kv head each, see
-        # _flash_decode_attention); slot b's keys start at b * max_model_len of the flat cache.
-        rows_S1 = torch.arange(cache.num_slots + 1, device=device, dtype=torch.int32)
-        self.query_starts_S1 = rows_S1 * (spec.num_heads // spec.num_kv_heads)
-        self.key_starts_S1 = rows_S1 * cache.max_model_len
-        self.flash_decode = False
         # Decode batches use the padded expert path on a GPU (see _padded_ffn); tests may set another rule.
         cuda = device.type == "cuda"
         self.capacity_for = padded_capacity if cuda else no_padding
@@ -200,215 +182,48 @@ class MoeDecoder:
         weights_TK, ids_TK = self.route(layer, h_TH)
         return self.experts(layer, h_TH, weights_TK, ids_TK, residual_TH), ids_TK
 
-    def logits(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._norm(x_TH, self.weights.final_norm_H), self.weights.lm_head_VH).float()
-
     def _layer(
         self,
-        i: int,
         layer: LayerWeights,
         x_TH: torch.Tensor,
         cos_TD: torch.Tensor,
         sin_TD: torch.Tensor,
+        k_XMD: torch.Tensor,
+        v_XMD: torch.Tensor,
         cache_rows_T: torch.Tensor,
         attend,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One decoder layer: attention (K/V written at cache rows first, then `attend(q, k, v)`) and the MLP."""
+        """One decoder layer: attention (K/V written at their cache rows first, then `attend(q)`) and the MLP."""
         q_TND, k_TMD, v_TMD = self._qkv(layer, self._norm(x_TH, layer.input_norm_H), cos_TD, sin_TD)
-        k_flat, v_flat = self.cache.flat(i)
-        k_flat.index_copy_(0, cache_rows_T, k_TMD)
-        v_flat.index_copy_(0, cache_rows_T, v_TMD)
-        x_TH = self._out_proj(layer, attend(q_TND, k_TMD, v_TMD), x_TH)
+        k_XMD.index_copy_(0, cache_rows_T, k_TMD)
+        v_XMD.index_copy_(0, cache_rows_T, v_TMD)
+        x_TH = self._out_proj(layer, attend(q_TND), x_TH)
         return self._mlp(layer, self._norm(x_TH, layer.post_norm_H), x_TH)
 
-    # ----------------------------------------------------------------------------------------- decode
-    def decode(
-        self,
-        tokens_B: torch.Tensor,
-        positions_B: torch.Tensor,
-        num_keys: int,
-        routes_BLK: torch.Tensor,
-        logits_BV: torch.Tensor,
-    ) -> None:
-        """One token per row b (row = cache slot) at position positions_B[b]; attends to positions <= it among
-        the first `num_keys` of its slot. Writes the experts used into routes_BLK and the logits (model dtype)
-        into logits_BV: static buffers, so a captured graph allocates no output."""
+    # ----------------------------------------------------------------------------------------- step
+    def forward(self, step: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the step's flat tokens through the model, writing their K/V into the cache first in every layer.
+        Returns the logits [S, V] (model dtype) at the flat indices `step.sample_S` and the routed experts
+        [T, L, K] (int64) of every token. Free of host synchronisation (a captured graph replays it)."""
         s, cache = self.spec, self.cache
-        b, x_dtype = tokens_B.shape[0], self.weights.embed_VH.dtype
-        cache_rows_B = self.rows_S[:b] * cache.max_model_len + positions_B
-        cos_BD, sin_BD = self.cos_PD[positions_B], self.sin_PD[positions_B]
-        groups = s.num_heads // s.num_kv_heads
-        num_keys_B = mask_B11S = None
-        if self.flash_decode:
-            num_keys_B = (positions_B + 1).to(torch.int32)
-        else:
-            # An additive mask built once per step (a boolean one is converted again in every layer's SDPA call).
-            hidden_BS = self.positions_P[:num_keys][None, :] > positions_B[:, None]
-            mask_B11S = torch.zeros(b, 1, 1, num_keys, dtype=x_dtype, device=tokens_B.device).masked_fill_(
-                hidden_BS.view(b, 1, 1, num_keys), float("-inf")
-            )
-        x_BH = self.weights.embed_VH[tokens_B]
-        ids = []
-        for i, layer in enumerate(self.weights.layers):
-
-            def attend(q_BND, _k, _v, i=i):
-                if num_keys_B is not None:
-                    return self._flash_decode_attention(i, q_BND, num_keys_B, num_keys)
-                # GQA without copying K/V: the G query heads of a kv head become G query rows of that head.
-                k_BMSD, v_BMSD = cache.keys_values(i, b, num_keys)
-                out_BMGD = F.scaled_dot_product_attention(
-                    q_BND.view(b, s.num_kv_heads, groups, s.head_dim),
-                    k_BMSD,
-                    v_BMSD,
-                    attn_mask=mask_B11S,
-                    scale=s.head_dim**-0.5,
-                )
-                return out_BMGD.reshape(b, s.q_size)
-
-            x_BH, ids_BK = self._layer(i, layer, x_BH, cos_BD, sin_BD, cache_rows_B, attend)
-            if ids_BK is not None:
-                ids.append(ids_BK)
-        routes_BLK.copy_(torch.stack(ids, dim=1))
-        torch.mm(self._norm(x_BH, self.weights.final_norm_H), self.weights.lm_head_VH.t(), out=logits_BV)
-
-    def _flash_decode_attention(
-        self, layer_index: int, q_BND: torch.Tensor, num_keys_B: torch.Tensor, max_keys: int
-    ) -> torch.Tensor:
-        """softmax(q K^T / sqrt(D)) V of row b over the first num_keys_B[b] positions of slot b, as [B, N * D].
-
-        GQA folded into the query length: the G q heads of kv head m become G query rows of a sequence with M
-        heads (no causal mask: they all sit at the same position), so each (row, kv head) block of the cache is
-        read by one thread block, not by G of them."""
-        s = self.spec
-        b, groups = q_BND.shape[0], s.num_heads // s.num_kv_heads
-        q_XMD = (
-            q_BND.view(b, s.num_kv_heads, groups, s.head_dim)
-            .transpose(1, 2)
-            .reshape(-1, s.num_kv_heads, s.head_dim)
-        )
-        k_flat, v_flat = self.cache.flat(layer_index)
-        out_XMD = torch.ops.aten._flash_attention_forward(
-            q_XMD,
-            k_flat,
-            v_flat,
-            self.query_starts_S1[: b + 1],
-            self.key_starts_S1[: b + 1],
-            groups,
-            max_keys,
-            0.0,
-            False,
-            False,
-            scale=s.head_dim**-0.5,
-            seqused_k=num_keys_B,
-        )[0]
-        return out_XMD.view(b, groups, s.num_kv_heads, s.head_dim).transpose(1, 2).reshape(b, s.q_size)
-
-    # ----------------------------------------------------------------------------------------- prefill
-    def prefill(
-        self, tokens_T: torch.Tensor, pieces: list[PrefillPiece], last_index: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the flat tokens of `pieces` (concatenated in order) through the model, writing their K/V into the
-        cache. Returns fp32 logits [len(last_index), V] at the flat indices `last_index` and the routed experts
-        [T, L, K] (int64) of every token."""
-        cache = self.cache
-        device = tokens_T.device
-        slots_T = torch.cat([torch.full((p.length,), p.slot, dtype=torch.long) for p in pieces])
-        positions_T = torch.cat([torch.arange(p.start, p.start + p.length) for p in pieces])
-        cache_rows_T = (slots_T * cache.max_model_len + positions_T).to(device)
-        positions_T = positions_T.to(device)
+        positions_T = step.positions_T
         cos_TD, sin_TD = self.cos_PD[positions_T], self.sin_PD[positions_T]
-        groups, continued = self._attention_plan(pieces, device)
-        x_TH = self.weights.embed_VH[tokens_T]
+        x_TH = self.weights.embed_VH[step.tokens_T]
         ids = []
         for i, layer in enumerate(self.weights.layers):
+            k_XMD, v_XMD = cache.layer(i)
 
-            def attend(q, k, v, i=i):
-                return self._prefill_attention(i, groups, continued, q, k, v)
+            def attend(q_TND, k_XMD=k_XMD, v_XMD=v_XMD):
+                out_TND = paged_attention(
+                    q_TND, k_XMD, v_XMD, cache.table_RB, step.attention, cache.block_size, s.head_dim**-0.5
+                )
+                return out_TND.reshape(q_TND.shape[0], s.q_size)
 
-            x_TH, ids_TK = self._layer(i, layer, x_TH, cos_TD, sin_TD, cache_rows_T, attend)
+            x_TH, ids_TK = self._layer(layer, x_TH, cos_TD, sin_TD, k_XMD, v_XMD, step.cache_rows_T, attend)
             if ids_TK is not None:
                 ids.append(ids_TK)
-        last_R = torch.tensor(last_index, dtype=torch.long, device=device)
-        return self.logits(x_TH[last_R]), torch.stack(ids, dim=1)
-
-    def _attention_plan(
-        self, pieces: list[PrefillPiece], device: torch.device
-    ) -> tuple[list[_AttentionGroup], list[tuple[PrefillPiece, int]]]:
-        """Fresh pieces (start 0) grouped by length (padding at most doubles a group's tokens) for batched
-        attention; continued pieces (chunked prefill) are attended one by one over their cached prefix."""
-        offsets, offset = [], 0
-        for p in pieces:
-            offsets.append(offset)
-            offset += p.length
-        fresh = sorted((p.length, off) for p, off in zip(pieces, offsets) if p.start == 0)[::-1]
-        continued = [(p, off) for p, off in zip(pieces, offsets) if p.start > 0]
-        groups, current = [], []
-        for length, off in fresh:
-            if current and (len(current) + 1) * current[0][0] > 2 * (sum(n for n, _ in current) + length):
-                groups.append(self._group(current, device))
-                current = []
-            current.append((length, off))
-        if current:
-            groups.append(self._group(current, device))
-        return groups, continued
-
-    def _group(self, members: list[tuple[int, int]], device: torch.device) -> _AttentionGroup:
-        longest = members[0][0]
-        pos_L = torch.arange(longest)
-        lengths_n = torch.tensor([n for n, _ in members])
-        valid_nl = pos_L[None, :] < lengths_n[:, None]
-        starts_n = torch.tensor([off for _, off in members])
-        gather_nl = starts_n[:, None] + torch.minimum(pos_L[None, :], lengths_n[:, None] - 1)
-        mask = None
-        if bool((lengths_n != longest).any()):
-            causal_ll = pos_L[None, :] <= pos_L[:, None]
-            mask = (causal_ll[None] & valid_nl[:, None, :]).unsqueeze(1).to(device)
-        return _AttentionGroup(
-            gather_nl.to(device), valid_nl.to(device), gather_nl[valid_nl].to(device), mask
-        )
-
-    def _prefill_attention(
-        self,
-        layer_index: int,
-        groups: list[_AttentionGroup],
-        continued: list[tuple[PrefillPiece, int]],
-        q_TND: torch.Tensor,
-        k_TMD: torch.Tensor,
-        v_TMD: torch.Tensor,
-    ) -> torch.Tensor:
-        """Causal attention of every piece over its sequence so far, as [T, N * D]."""
-        s = self.spec
-        reps = s.num_heads // s.num_kv_heads
-        out_TND = torch.empty_like(q_TND, memory_format=torch.contiguous_format)
-        for g in groups:
-            # K/V expanded to all query heads so SDPA can use its fused kernels (no GQA support with masks).
-            q_nNLD = q_TND[g.gather_nl].transpose(1, 2)
-            k_nNLD = k_TMD[g.gather_nl].repeat_interleave(reps, dim=2).transpose(1, 2)
-            v_nNLD = v_TMD[g.gather_nl].repeat_interleave(reps, dim=2).transpose(1, 2)
-            o_nNLD = F.scaled_dot_product_attention(
-                q_nNLD,
-                k_nNLD,
-                v_nNLD,
-                attn_mask=g.mask_n1ll,
-                is_causal=g.mask_n1ll is None,
-                scale=s.head_dim**-0.5,
-            )
-            out_TND[g.scatter_t] = o_nNLD.transpose(1, 2)[g.valid_nl]
-        for p, off in continued:
-            end = p.start + p.length
-            k_MSD = self.cache.k_LSPND[layer_index, p.slot, :end].transpose(0, 1)
-            v_MSD = self.cache.v_LSPND[layer_index, p.slot, :end].transpose(0, 1)
-            q_pos = torch.arange(p.start, end, device=q_TND.device)
-            mask_QS = self.positions_P[:end][None, :] <= q_pos[:, None]
-            o_1NQD = F.scaled_dot_product_attention(
-                q_TND[off : off + p.length].transpose(0, 1).unsqueeze(0),
-                k_MSD.repeat_interleave(reps, dim=0).unsqueeze(0),
-                v_MSD.repeat_interleave(reps, dim=0).unsqueeze(0),
-                attn_mask=mask_QS,
-                scale=s.head_dim**-0.5,
-            )
-            out_TND[off : off + p.length] = o_1NQD[0].transpose(0, 1)
-        return out_TND.view(q_TND.shape[0], s.q_size)
+        h_SH = self._norm(x_TH[step.sample_S], self.weights.final_norm_H)
+        return F.linear(h_SH, self.weights.lm_head_VH), torch.stack(ids, dim=1)
 
 
 def swiglu(gate_up_xF: torch.Tensor) -> torch.Tensor:
@@ -507,41 +322,3 @@ def padded_capacity(num_pairs: int, num_experts: int) -> int | None:
     if not 8 <= mean <= 64:
         return None
     return 2 ** (1 + math.ceil(math.log2(mean)))
-
-
-def flash_decode_works(model: MoeDecoder) -> bool:
-    """Whether the flash varlen decode attention runs on this device and build and agrees with the SDPA path:
-    one decode-shaped call (4 rows, ragged lengths, the cache's real layout) compared with masked SDPA."""
-    cache, s = model.cache, model.spec
-    if cache.k_LSPND.device.type != "cuda" or cache.k_LSPND.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    device, dtype = cache.k_LSPND.device, cache.k_LSPND.dtype
-    rows = min(4, cache.num_slots)
-    lengths = [min(cache.max_model_len, n) for n in (1, 7, 33, 70)][:rows]
-    gen = torch.Generator(device=device).manual_seed(0)
-    saved = cache.k_LSPND[0, :rows].clone(), cache.v_LSPND[0, :rows].clone()
-    try:
-        for t in (cache.k_LSPND, cache.v_LSPND):
-            t[0, :rows].copy_(torch.randn(t[0, :rows].shape, generator=gen, device=device, dtype=dtype))
-        q_BXD = torch.randn(rows, s.num_heads + s.num_kv_heads, s.head_dim, generator=gen, device=device)
-        q_BND = q_BXD.to(dtype)[:, : s.num_heads]  # a strided view, like the q of the fused qkv projection
-        num_keys_B = torch.tensor(lengths, dtype=torch.int32, device=device)
-        out = model._flash_decode_attention(0, q_BND, num_keys_B, max(lengths)).float()
-        ref = []
-        for r, n in enumerate(lengths):
-            k_NSD, v_NSD = (x[0, r, :n].transpose(0, 1).float() for x in (cache.k_LSPND, cache.v_LSPND))
-            reps = s.num_heads // s.num_kv_heads
-            ref.append(
-                F.scaled_dot_product_attention(
-                    q_BND[r].float()[:, None, :],
-                    k_NSD.repeat_interleave(reps, 0),
-                    v_NSD.repeat_interleave(reps, 0),
-                    scale=s.head_dim**-0.5,
-                ).reshape(-1)
-            )
-        return bool((out - torch.stack(ref)).abs().max() < 2e-2)
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-    finally:
-        cache.k_LSPND[0, :rows].copy_(saved[0])
-        cache.v_LSPND[0, :rows].copy_(saved[1])

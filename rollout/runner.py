@@ -1,17 +1,21 @@
-"""Runs whole decode steps (model forward + sampling), captured as CUDA graphs on GPU (one graph per (batch rows,
-attended length, top-k/top-p filtering) bucket).
+"""Runs whole engine steps (model forward + sampling), captured as CUDA graphs on GPU.
 
-A decode step of a 48-layer MoE model is ~2000 small kernels; launching them from Python costs more than the
-weights take to stream at small batch, so on CUDA each bucket is captured once, lazily, and replayed. The graph
-holds the sampler too (temperature, top-k/top-p, the counter-based uniform of (seed, position + 1) computed on
-the device, the sampled token's log-prob), so a step is: one host-to-device copy of the per-row inputs from
-pinned memory, the replay, device-to-host copies of tokens, log-probs and routed experts into pinned memory,
-and ONE synchronisation. Inputs live in static device buffers that every graph reads through slices; logits,
-tokens, log-probs and routing land in static buffers too (many graphs cost no extra output memory). Weights are
-updated in place by `load_weights`, so graphs stay valid. On CPU (or with graphs off, or if a capture fails)
-the same step function runs eagerly and gives the same outputs.
+A step of a 48-layer MoE model is ~2000 small kernels; launching them from Python costs more than the weights
+take to stream at small batch, so on CUDA every step of at most `cuda_graph_max_tokens` tokens runs as a graph,
+one per bucket (decode rows, prefill tokens, prefill tiles, sampled rows, top-k/top-p filtering), captured
+lazily and replayed; larger steps (a prefill-only start) are compute-bound and run eagerly. A bucket pads the
+step: decode rows to a batch size, prefill tokens to a power of two; padding tokens belong to the block table's
+all-zero row, so their K/V go to the null block, and their outputs are dropped.
 
-Legend: S slots (max rows), B rows of a step, L MoE layers, K top-k, V vocab.
+The graph holds the sampler too (temperature, top-k/top-p, the counter-based uniform of (seed, position + 1)
+computed on the device, the sampled token's log-prob), so a step is: host-to-device copies of the per-token,
+per-tile and per-sample inputs from pinned memory, the replay, device-to-host copies of tokens, log-probs and
+routed experts into pinned memory, and ONE synchronisation. Inputs live in static device buffers that every
+graph reads through slices; outputs land in static buffers too. Weights are updated in place by
+`load_weights`, so graphs stay valid. With graphs off or after a failed capture the same step function runs
+eagerly at the same padded shape (the same bits); on CPU it runs on the unpadded step.
+
+Legend: T flat tokens, Q prefill tiles, S sampled rows, L MoE layers, K top-k, V vocab.
 """
 
 from __future__ import annotations
@@ -22,150 +26,254 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rollout.model import MoeDecoder, flash_decode_works
+from rollout.model import MoeDecoder, StepBatch
+from rollout.paged_attention import AttentionBatch, decode_splits, prefill_tile_tokens, prefill_tiles
 from rollout.sampling import counter_uniform_torch, sample
 
 log = logging.getLogger(__name__)
 
 MAX_GRAPHS = 256  # least recently used graphs beyond this are dropped (each holds ~2000 kernel nodes)
+TOKEN, POSITION, SEQ, CACHE_ROW = range(4)  # columns of StepInputs.tokens_T4
 
 
 @dataclass(frozen=True)
-class DecodeInputs:
-    """Per-row inputs of one decode step (numpy, row b = cache slot b): the token to feed and its position, and
-    the row's sampling parameters; the sampled token's random counter is position + 1."""
+class StepInputs:
+    """One step as the scheduler sees it (numpy, unpadded): decode rows first, then prefill pieces."""
 
-    tokens_B: np.ndarray  # int64
-    positions_B: np.ndarray  # int64
-    seeds_B: np.ndarray  # uint64
-    top_k_B: np.ndarray  # int64, 0 = off
-    temperature_B: np.ndarray  # float32, 0 = greedy
-    top_p_B: np.ndarray  # float32
+    tokens_T4: np.ndarray  # int64 [T, 4]: token, position, block-table row, cache row
+    num_decode: int
+    pieces: list[tuple[int, int]]  # prefill runs (flat start, length), each of one sequence, positions rising
+    samples_S: np.ndarray  # int64: flat index of each token whose successor is sampled
+    seeds_S: np.ndarray  # uint64
+    top_k_S: np.ndarray  # int64, 0 = off
+    temperature_S: np.ndarray  # float32, 0 = greedy
+    top_p_S: np.ndarray  # float32
 
     @property
-    def num_rows(self) -> int:
-        return self.tokens_B.shape[0]
+    def num_tokens(self) -> int:
+        return self.tokens_T4.shape[0]
 
     @property
     def filtered(self) -> bool:
         """Whether any row needs the top-k/top-p sort (a separate graph: the sort is the sampler's costliest op)."""
-        return bool(((self.top_p_B < 1) | (self.top_k_B > 0)).any())
+        return bool(((self.top_p_S < 1) | (self.top_k_S > 0)).any())
 
 
 @dataclass(frozen=True)
-class DecodeOutputs:
-    """Host (numpy) views of one step's results, valid until the next `run`."""
+class StepOutputs:
+    """Host (numpy) results of one step, valid until the next `run`."""
 
-    tokens_B: np.ndarray  # int64
-    logprobs_B: np.ndarray  # float32
-    routes_BLK: np.ndarray  # int16 (int32 beyond 32767 experts)
+    tokens_S: np.ndarray  # int64
+    logprobs_S: np.ndarray  # float32
+    routes_TLK: np.ndarray  # int16 (int32 beyond 32767 experts), the step's tokens in StepInputs order
 
 
-class DecodeRunner:
-    def __init__(self, model: MoeDecoder, use_cuda_graphs: bool) -> None:
+@dataclass(frozen=True)
+class _Shape:
+    """A padded step: decode rows, prefill tokens, prefill tiles, sampled rows, filtering."""
+
+    decode: int
+    prefill: int
+    tiles: int
+    samples: int
+    filtered: bool
+
+    @property
+    def tokens(self) -> int:
+        return self.decode + self.prefill
+
+
+class StepRunner:
+    def __init__(
+        self,
+        model: MoeDecoder,
+        use_cuda_graphs: bool,
+        *,
+        max_step_tokens: int,
+        max_seqs: int,
+        graph_max_tokens: int,
+    ) -> None:
         self.model = model
         spec, device = model.spec, model.weights.embed_VH.device
-        num_slots = model.cache.num_slots
         self.device = device
-        model.flash_decode = flash_decode_works(model)
-        pin = device.type == "cuda"
-        # Columns of the int64 and float32 inputs: token, position, seed bits, top_k | temperature, top_p (row
-        # major, so the first B rows are one contiguous block: one copy each).
-        self.ints_S4 = torch.zeros(num_slots, 4, dtype=torch.long, device=device)
-        self.floats_S2 = torch.zeros(num_slots, 2, dtype=torch.float32, device=device)
-        self._host_ints_S4 = torch.zeros(num_slots, 4, dtype=torch.long, pin_memory=pin)
-        self._host_floats_S2 = torch.zeros(num_slots, 2, dtype=torch.float32, pin_memory=pin)
-        route_dtype = torch.int16 if spec.num_experts <= 2**15 else torch.int32
-        route_shape = (num_slots, spec.num_moe_layers, spec.top_k)
-        self.routes_SLK = torch.zeros(route_shape, dtype=route_dtype, device=device)
-        self.logits_SV = torch.zeros(
-            num_slots, spec.vocab_size, dtype=model.weights.embed_VH.dtype, device=device
+        self.max_seqs = max_seqs
+        self.tile = prefill_tile_tokens(spec.num_heads, spec.num_kv_heads)
+        self.num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         )
-        self.tokens_S = torch.zeros(num_slots, dtype=torch.long, device=device)
-        self.logprobs_S = torch.zeros(num_slots, dtype=torch.float32, device=device)
-        self._host_routes_SLK = torch.zeros(route_shape, dtype=route_dtype, pin_memory=pin)
-        self._host_tokens_S = torch.zeros(num_slots, dtype=torch.long, pin_memory=pin)
-        self._host_logprobs_S = torch.zeros(num_slots, dtype=torch.float32, pin_memory=pin)
+        self.graph_max_tokens = graph_max_tokens
+        self._batch_sizes = batch_buckets(max_seqs)
+        # A padded step may exceed max_step_tokens by the padding of its decode rows and prefill tokens.
+        max_tokens = max_step_tokens + max_seqs + max(max_step_tokens, graph_max_tokens)
+        max_tiles = -(-max_tokens // self.tile) + max_seqs
+        pin = device.type == "cuda"
+
+        def pair(shape, dtype):
+            return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(
+                shape, dtype=dtype, pin_memory=pin
+            )
+
+        self.tokens_T4, self._host_tokens_T4 = pair((max_tokens, 4), torch.long)
+        self.tiles_Q2, self._host_tiles_Q2 = pair((max_tiles, 2), torch.int32)
+        # samples: flat index, seed bits, top_k | temperature, top_p
+        self.sample_ints_S3, self._host_sample_ints_S3 = pair((max_seqs, 3), torch.long)
+        self.sample_floats_S2, self._host_sample_floats_S2 = pair((max_seqs, 2), torch.float32)
+        route_dtype = torch.int16 if spec.num_experts <= 2**15 else torch.int32
+        self.routes_TLK, self._host_routes_TLK = pair(
+            (max_tokens, spec.num_moe_layers, spec.top_k), route_dtype
+        )
+        self.tokens_S, self._host_tokens_S = pair(max_seqs, torch.long)
+        self.logprobs_S, self._host_logprobs_S = pair(max_seqs, torch.float32)
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
         self.capture_error: str | None = None
-        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[_Shape, torch.cuda.CUDAGraph] = {}
         self._pool = None
 
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
 
-    def run(self, inputs: DecodeInputs, num_keys: int) -> DecodeOutputs:
-        """One decode step over rows [0, B) attending to the first `num_keys` positions of their slots."""
-        b, filtered = inputs.num_rows, inputs.filtered
-        self._stage(inputs)
+    def run(self, x: StepInputs) -> StepOutputs:
+        """One step: stage the inputs, run (graph replay or eager), fetch the outputs. On CUDA a step runs at its
+        padded bucket shape with or without graphs, so both give the same bits."""
+        shape = self._bucket_shape(x) if self.device.type == "cuda" else None
+        shape = shape or self._exact_shape(x)
+        self._stage(x, shape)
         graph = None
-        if self.use_cuda_graphs:
-            key = (b, num_keys, filtered)
-            graph = self._graphs.pop(key, None) or self._capture(b, num_keys, filtered)
-            if graph is not None:
-                self._graphs[key] = graph  # most recently used last
-                if len(self._graphs) > MAX_GRAPHS:
-                    self._graphs.pop(next(iter(self._graphs)))
-        if graph is not None:
-            graph.replay()
+        if self.use_cuda_graphs and shape.tokens <= self.graph_max_tokens:
+            graph = self._graphs.pop(shape, None) or self._capture(shape)
+        if graph is None:
+            self._step(shape)
         else:
-            self._step(b, num_keys, filtered)
-        return self._fetch(b)
+            self._graphs[shape] = graph  # most recently used last
+            if len(self._graphs) > MAX_GRAPHS:
+                self._graphs.pop(next(iter(self._graphs)))
+            graph.replay()
+        return self._fetch(x, shape)
 
-    def _stage(self, x: DecodeInputs) -> None:
-        b = x.num_rows
-        ints, floats = self._host_ints_S4[:b].numpy(), self._host_floats_S2[:b].numpy()
-        ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3] = (
-            x.tokens_B,
-            x.positions_B,
-            x.seeds_B.view(np.int64),
-            x.top_k_B,
+    def _exact_shape(self, x: StepInputs) -> _Shape:
+        tiles = len(prefill_tiles(x.pieces, self.tile)[0])
+        return _Shape(x.num_decode, x.num_tokens - x.num_decode, tiles, len(x.samples_S), x.filtered)
+
+    def _bucket_shape(self, x: StepInputs) -> _Shape | None:
+        """The bucket of a step, or None when it is too large for a graph (it then runs at its exact shape)."""
+        exact = self._exact_shape(x)
+        decode = next(b for b in self._batch_sizes if b >= exact.decode) if exact.decode else 0
+        prefill = _pow2_at_least(exact.prefill, 16) if exact.prefill else 0
+        if decode + prefill > self.graph_max_tokens:
+            return None
+        tiles = _pow2_at_least(exact.tiles, 1) if exact.tiles else 0
+        ends = exact.samples - exact.decode
+        samples = decode + (_pow2_at_least(ends, 1) if ends else 0)
+        return _Shape(decode, prefill, tiles, min(samples, self.max_seqs), exact.filtered)
+
+    def _stage(self, x: StepInputs, shape: _Shape) -> None:
+        """Copy the step into the static buffers at the padded layout: decode rows [0, n) then padding rows to
+        shape.decode, prefill tokens from shape.decode; padding tokens sit in the padding row at position 0."""
+        n, t = x.num_decode, shape.tokens
+        shift = shape.decode - n
+        tok = self._host_tokens_T4[:t].numpy()
+        tok[:] = 0
+        tok[:, SEQ] = self.model.cache.table.padding_row
+        tok[:n] = x.tokens_T4[:n]
+        tok[shape.decode : shape.decode + x.num_tokens - n] = x.tokens_T4[n:]
+        starts, lengths = prefill_tiles([(s + shift, m) for s, m in x.pieces], self.tile)
+        tiles = self._host_tiles_Q2[: shape.tiles].numpy()
+        tiles[:] = 0
+        tiles[: len(starts), 0], tiles[: len(starts), 1] = starts, lengths
+        s = len(x.samples_S)
+        ints, floats = (
+            self._host_sample_ints_S3[: shape.samples].numpy(),
+            self._host_sample_floats_S2[: shape.samples].numpy(),
         )
-        floats[:, 0], floats[:, 1] = x.temperature_B, x.top_p_B
-        self.ints_S4[:b].copy_(self._host_ints_S4[:b], non_blocking=True)
-        self.floats_S2[:b].copy_(self._host_floats_S2[:b], non_blocking=True)
+        ints[:] = 0
+        floats[:] = (0.0, 1.0)
+        ints[:s, 0] = np.where(x.samples_S >= n, x.samples_S + shift, x.samples_S)
+        ints[:s, 1], ints[:s, 2] = x.seeds_S.view(np.int64), x.top_k_S
+        floats[:s, 0], floats[:s, 1] = x.temperature_S, x.top_p_S
+        self.model.cache.sync_table()
+        for dev, host, rows in (
+            (self.tokens_T4, self._host_tokens_T4, t),
+            (self.tiles_Q2, self._host_tiles_Q2, shape.tiles),
+            (self.sample_ints_S3, self._host_sample_ints_S3, shape.samples),
+            (self.sample_floats_S2, self._host_sample_floats_S2, shape.samples),
+        ):
+            dev[:rows].copy_(host[:rows], non_blocking=True)
 
-    def _fetch(self, b: int) -> DecodeOutputs:
+    def _fetch(self, x: StepInputs, shape: _Shape) -> StepOutputs:
+        s, t = len(x.samples_S), shape.tokens
         pairs = (
-            (self._host_tokens_S, self.tokens_S),
-            (self._host_logprobs_S, self.logprobs_S),
-            (self._host_routes_SLK, self.routes_SLK),
+            (self._host_tokens_S, self.tokens_S, s),
+            (self._host_logprobs_S, self.logprobs_S, s),
+            (self._host_routes_TLK, self.routes_TLK, t),
         )
-        for host, dev in pairs:
-            host[:b].copy_(dev[:b], non_blocking=True)
+        for host, dev, rows in pairs:
+            host[:rows].copy_(dev[:rows], non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the step's only host sync
-        return DecodeOutputs(*(host[:b].numpy() for host, _ in pairs))
+        routes = self._host_routes_TLK.numpy()
+        n = x.num_decode
+        if shape.decode != n:
+            routes = np.concatenate((routes[:n], routes[shape.decode : shape.decode + x.num_tokens - n]))
+        return StepOutputs(
+            self._host_tokens_S[:s].numpy(), self._host_logprobs_S[:s].numpy(), routes[: x.num_tokens]
+        )
 
-    def _step(self, b: int, num_keys: int, filtered: bool) -> None:
-        """The captured work: forward of rows [0, b), then sampling into tokens_S / logprobs_S."""
-        tokens_B, positions_B, seeds_B, top_k_B = self.ints_S4[:b].unbind(1)
-        temperature_B, top_p_B = self.floats_S2[:b].unbind(1)
-        logits_BV = self.logits_SV[:b]
-        self.model.decode(tokens_B, positions_B, num_keys, self.routes_SLK[:b], logits_BV)
-        uniform_B = counter_uniform_torch(seeds_B, positions_B + 1)
-        sampled_B, logprobs_B = sample(logits_BV, temperature_B, top_k_B, top_p_B, uniform_B, filtered)
-        self.tokens_S[:b].copy_(sampled_B)
-        self.logprobs_S[:b].copy_(logprobs_B)
+    def _step(self, shape: _Shape) -> None:
+        """The captured work: forward of the step's tokens, then sampling into tokens_S / logprobs_S."""
+        t, s = shape.tokens, shape.samples
+        tok = self.tokens_T4[:t]
+        tiles = self.tiles_Q2[: shape.tiles]
+        splits = (
+            decode_splits(shape.decode, self.model.spec.num_kv_heads, self.num_sms) if shape.decode else 1
+        )
+        attention = AttentionBatch(
+            seq_T=tok[:, SEQ].to(torch.int32),
+            pos_T=tok[:, POSITION].to(torch.int32),
+            num_decode=shape.decode,
+            tile_start_Q=tiles[:, 0].contiguous(),  # the kernels index them as contiguous vectors
+            tile_len_Q=tiles[:, 1].contiguous(),
+            num_splits=splits,
+        )
+        index_S, seeds_S, top_k_S = self.sample_ints_S3[:s].unbind(1)
+        temperature_S, top_p_S = self.sample_floats_S2[:s].unbind(1)
+        step = StepBatch(tok[:, TOKEN], tok[:, POSITION], tok[:, CACHE_ROW], attention, index_S)
+        logits_SV, routes_TLK = self.model.forward(step)
+        self.routes_TLK[:t].copy_(routes_TLK)
+        uniform_S = counter_uniform_torch(seeds_S, tok[:, POSITION][index_S] + 1)
+        sampled_S, logprobs_S = sample(logits_SV, temperature_S, top_k_S, top_p_S, uniform_S, shape.filtered)
+        self.tokens_S[:s].copy_(sampled_S)
+        self.logprobs_S[:s].copy_(logprobs_S)
 
-    def _capture(self, b: int, num_keys: int, filtered: bool) -> torch.cuda.CUDAGraph | None:
-        # Warm-up runs execute the real step on the real inputs (the KV writes are the ones the replay repeats).
+    def _capture(self, shape: _Shape) -> torch.cuda.CUDAGraph | None:
+        # The warm-up run executes the real step on the real inputs (the KV writes are the ones the replay repeats).
         try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                self._step(b, num_keys, filtered)
+                self._step(shape)
             torch.cuda.current_stream(self.device).wait_stream(side)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._step(b, num_keys, filtered)
+                self._step(shape)
         except RuntimeError as err:  # e.g. an op that cannot be captured in this torch build
             self.capture_error = f"{type(err).__name__}: {err}"
-            log.warning("CUDA graph capture failed (%s); decoding eagerly from now on", self.capture_error)
+            log.warning(
+                "CUDA graph capture failed (%s); running steps eagerly from now on", self.capture_error
+            )
             self.use_cuda_graphs = False
             torch.cuda.synchronize(self.device)
             return None
         return graph
+
+
+def batch_buckets(max_rows: int) -> list[int]:
+    """Decode row counts a step is padded to (each one a CUDA graph): fine at small batch, every 32 above 64."""
+    sizes = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, *range(96, max_rows, 32), max_rows]
+    return sorted({s for s in sizes if s <= max_rows})
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, (n - 1).bit_length()))

@@ -24,7 +24,7 @@ from rollout.params import SamplingParams
 class WorkerInfo:
     device: str
     dtype: str
-    num_slots: int
+    max_seqs: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     num_moe_layers: int
@@ -54,7 +54,7 @@ class RolloutWorker:
         return WorkerInfo(
             str(e.device),
             str(e.dtype).removeprefix("torch."),
-            e.num_slots,
+            e.max_seqs,
             e.max_model_len,
             tuple(sorted(e.eos_token_ids)),
             e.spec.num_moe_layers,
@@ -84,7 +84,7 @@ class RolloutWorker:
     # ---------------------------------------------------------------------------------- colocated memory
     def sleep(self) -> None:
         """Give the device memory to colocated trainers between generate calls: the KV cache is released
-        without a copy (it never outlives a generate call), decode CUDA graphs are dropped (they hold the old
+        without a copy (it never outlives a generate call), step CUDA graphs are dropped (they hold the old
         storages' addresses; the next generate captures again), the weights are copied to host memory."""
         from tppo.base.offload import StorageOffloader
 
@@ -97,20 +97,18 @@ class RolloutWorker:
         if e.device.type == "cuda":
             torch.cuda.synchronize(e.device)
         self._asleep = StorageOffloader()
-        self._asleep.offload(e.weights.tensors(), drop=[e.cache.k_LSPND, e.cache.v_LSPND])
+        self._asleep.offload(e.weights.tensors(), drop=e.cache.tensors())
         if e.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def wake(self) -> None:
-        """Restore what `sleep` released (weights bit-exact, the KV cache zeroed) and the decode runner."""
-        from rollout.cuda_graphs import DecodeRunner
-
+        """Restore what `sleep` released (weights bit-exact, the KV cache zeroed) and the step runner."""
         if self._asleep is None:
             return
         self._asleep.onload()
         self._asleep = None
         e = self.engine
-        e.runner = DecodeRunner(e.model, self._graphs)
+        e.runner = e.new_runner(self._graphs)
 
     @property
     def asleep(self) -> bool:

@@ -62,6 +62,11 @@ class ExperimentConfig:
     # it reads the data and sampling fields (n, temperature, top_p, top_k, max_new_tokens, ks, seed, limit).
     eval: EvalConfig = field(default_factory=EvalConfig)
 
+    @property
+    def max_model_len(self) -> int:
+        """The rollout engine's longest sequence: rollout.max_model_len, or the model's limit when it is 0."""
+        return self.rollout.max_model_len or self.model.max_position_embeddings
+
     def validate(self) -> ExperimentConfig:
         """Check field ranges, then the rules that join fields; raise ConfigError naming the keys."""
         check_fields(self)
@@ -131,9 +136,9 @@ def _algo_rules(c: ExperimentConfig) -> str | None:
             f"model.max_position_embeddings={c.model.max_position_embeddings}"
         )
     need = c.data.max_prompt_length + a.max_response_length
-    if c.rollout.max_model_len < need:
+    if c.max_model_len < need:
         return (
-            f"rollout.max_model_len={c.rollout.max_model_len} cannot hold data.max_prompt_length + "
+            f"rollout.max_model_len={c.max_model_len} cannot hold data.max_prompt_length + "
             f"algo.max_response_length = {need} tokens"
         )
     if c.rollout.max_model_len > c.model.max_position_embeddings:

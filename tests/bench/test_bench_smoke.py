@@ -18,6 +18,7 @@ SCRIPTS = {
         "--tiny", "--device", "cpu", "--dtype", "float32", "--layers", "2", "--hf-layers", "2", "--check-layers", "1",
         "--batches", "1,4", "--new-tokens", "8", "--hf-new-tokens", "4", "--repeats", "2",
     ],
+    "rollout_long": ["--tiny"],
     "relibra_executor": ["--tiny"],
     "megatron_train": ["--tiny"],
     "relibra_sim": [

@@ -1,5 +1,6 @@
-"""RolloutEngine against transformers (tokens, log-probs, router picks) and against itself (batching, windows,
-seeds, chunked prefill, weight sync) on tiny random Qwen3-MoE and Mixtral checkpoints saved as HF folders."""
+"""RolloutEngine against transformers (tokens, log-probs, router picks) and against itself (batching, mixed
+prefill + decode steps, preemption, windows, seeds, weight sync, paged vs slot cache layout) on tiny random
+Qwen3-MoE and Mixtral checkpoints saved as HF folders."""
 
 from __future__ import annotations
 
@@ -45,9 +46,12 @@ def qwen_ckpt(tmp_path_factory):
     return path
 
 
-def test_greedy_logprobs_and_routing_match_transformers(tiny):
+# Blocks of 16 positions (prompt + 10 tokens cross a block boundary) and the slot layout (one 64-position block
+# per sequence, what the engine had before paging).
+@pytest.mark.parametrize("block", [16, 0], ids=["paged16", "slot"])
+def test_greedy_logprobs_and_routing_match_transformers(tiny, block):
     path, hf = tiny
-    engine = RolloutEngine.from_pretrained(path, config=small_config())
+    engine = RolloutEngine.from_pretrained(path, config=small_config(kv_block_size=block))
     outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10, temperature=0))
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == hf_greedy(hf, prompt, 10)
@@ -144,28 +148,64 @@ def test_continuous_batching_equals_one_at_a_time(qwen_ckpt):
         SamplingParams(max_new_tokens=n, temperature=t, seed=s)
         for n, t, s in zip((5, 17, 9, 3, 12, 20, 7), (0, 1.0, 0, 0.7, 1.3, 0, 1.0), range(7))
     ]
-    # 3 slots for 7 requests: later requests join as earlier ones finish, survivors get compacted.
-    batched = RolloutEngine.from_pretrained(qwen_ckpt, config=small_config(max_batch_size=3)).generate(
-        prompts, params
-    )
+    # 3 rows for 7 requests: later requests join as earlier ones finish, prefilled in the decode steps.
+    engine = RolloutEngine.from_pretrained(qwen_ckpt, config=small_config(max_batch_size=3))
+    batched = engine.generate(prompts, params)
+    assert engine.last_stats.num_mixed_steps >= 3 and engine.last_stats.num_preemptions == 0
     single = RolloutEngine.from_pretrained(qwen_ckpt, config=small_config(max_batch_size=1))
     for prompt, p, out in zip(prompts, params, batched):
         _assert_same(out, single.generate([prompt], p)[0])
         assert len(out.token_ids) == p.max_new_tokens
 
 
-def test_chunked_prefill_equals_whole_prefill(qwen_ckpt):
-    prompts = [list(range(2, 15)), list(range(30, 37)), [9]]
+def test_chunked_prefill_in_mixed_steps_equals_whole_prefill(qwen_ckpt):
+    """A 5-token step budget: prompts are cut into chunks (one crossing a block boundary) that share steps with
+    the decoding rows."""
+    prompts = [list(range(2, 21)), list(range(30, 37)), [9]]
     params = SamplingParams(max_new_tokens=6, temperature=0)
     whole = RolloutEngine.from_pretrained(qwen_ckpt, config=small_config()).generate(prompts, params)
-    chunked = RolloutEngine.from_pretrained(qwen_ckpt, config=small_config(max_prefill_tokens=5))
-    for a, b in zip(whole, chunked.generate(prompts, params)):
+    config = small_config(max_batch_size=3, max_step_tokens=5, trace_steps=True)
+    engine = RolloutEngine.from_pretrained(qwen_ckpt, config=config)
+    for a, b in zip(whole, engine.generate(prompts, params)):
         _assert_same(a, b)
+    stats = engine.last_stats
+    assert stats.num_prefill_tokens == sum(map(len, prompts)) and len(stats.steps) == stats.num_steps
+    assert max(t.num_decode + t.num_prefill for t in stats.steps) == 5
+    assert stats.num_mixed_steps == sum(1 for t in stats.steps if t.num_decode and t.num_prefill) > 0
+
+
+@pytest.mark.parametrize("step_tokens", [2048, 4], ids=["budget2048", "budget4"])
+def test_blocks_running_out_preempt_without_losing_or_changing_anything(qwen_ckpt, step_tokens):
+    """5 blocks of 16 positions for 4 requests that grow to 3-4 blocks each: the youngest are
+    preempted (blocks freed, re-queued, prefilled again with their tokens) and every request comes back with the
+    tokens, log-probs and routing of a run with room for all of them."""
+    prompts = [[5, 7, 9, 11], list(range(1, 14)), [42, 43], list(range(60, 70))]
+    params = [
+        SamplingParams(max_new_tokens=n, temperature=t, seed=s)
+        for n, t, s in zip((40, 33, 45, 37), (1.0, 0.0, 0.8, 1.0), (3, 4, 5, 6))
+    ]
+    roomy = RolloutEngine.from_pretrained(qwen_ckpt, config=small_config()).generate(prompts, params)
+    tight_cfg = small_config(max_batch_size=4, kv_cache_tokens=5 * 16, max_step_tokens=step_tokens)
+    tight = RolloutEngine.from_pretrained(qwen_ckpt, config=tight_cfg)
+    outs = tight.generate(prompts, params)
+    stats = tight.last_stats
+    assert stats.num_preemptions > 0 and stats.kv_blocks == 5 and stats.kv_blocks_peak == 5
+    assert [o.index for o in outs] == [0, 1, 2, 3]
+    for a, b, p in zip(outs, roomy, params):
+        _assert_same(a, b)
+        assert len(a.token_ids) == p.max_new_tokens and a.num_tokens == len(a.routed_experts)
+    # the recomputed prefixes are extra prefill work, counted
+    assert stats.num_prefill_tokens > sum(map(len, prompts))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_resumed_window_equals_uninterrupted_run(qwen_ckpt, temperature):
-    engine = RolloutEngine.from_pretrained(qwen_ckpt, config=small_config())
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"max_batch_size": 2, "max_step_tokens": 3}, {"kv_block_size": 0}],
+    ids=["paged", "chunked", "slot"],
+)
+def test_resumed_window_equals_uninterrupted_run(qwen_ckpt, temperature, config):
+    engine = RolloutEngine.from_pretrained(qwen_ckpt, config=small_config(**config))
     prompt = [4, 8, 15, 16, 23, 42]
     full = engine.generate([prompt], SamplingParams(max_new_tokens=12, temperature=temperature, seed=5))[0]
     first = engine.generate([prompt], SamplingParams(max_new_tokens=5, temperature=temperature, seed=5))[0]
@@ -221,7 +261,7 @@ def test_bad_inputs_raise_clear_errors(qwen_ckpt):
         engine.load_weights([("model.layers.0.mlp.experts.99.up_proj.weight", torch.zeros(24, 48))])
     with pytest.raises(ValueError, match="shape"):
         engine.load_weights([("model.layers.0.self_attn.q_proj.weight", torch.zeros(3, 3))])
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match=r"exceed rollout\.max_model_len=64"):
         engine.generate([[1] * 60], SamplingParams(max_new_tokens=10))
     with pytest.raises(ValueError, match="outside"):
         engine.generate([[1000]], SamplingParams(max_new_tokens=1))
@@ -235,6 +275,26 @@ def test_bad_inputs_raise_clear_errors(qwen_ckpt):
         RolloutEngine.from_pretrained(
             qwen_ckpt, config=small_config(kv_cache_tokens=0, kv_cache_fraction=1e-12)
         )
+    with pytest.raises(ValueError, match=r"max_step_tokens=4 is below rollout\.max_batch_size=8"):
+        RolloutEngine.from_pretrained(qwen_ckpt, config=small_config(max_step_tokens=4))
+    with pytest.raises(ValueError, match="kv_block_size=24 is not a multiple of 16"):
+        RolloutEngine.from_pretrained(qwen_ckpt, config=small_config(kv_block_size=24))
+    with pytest.raises(
+        ValueError, match=r"max_model_len=600 exceeds the model's max_position_embeddings=512"
+    ):
+        RolloutEngine.from_pretrained(qwen_ckpt, config=small_config(max_model_len=600))
+
+
+def test_max_model_len_defaults_to_the_models_limit(tmp_path):
+    hf = save_tiny_model("qwen3_moe", tmp_path, seed=3, max_position_embeddings=256)
+    engine = RolloutEngine.from_pretrained(tmp_path)
+    assert engine.max_model_len == 256
+    prompt = [t % 90 + 1 for t in range(200)]
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=56, temperature=0))[0]
+    assert out.num_tokens == 256
+    ref_lp, ref_routes = hf_logprobs_and_routes(hf, prompt + out.token_ids, len(prompt))
+    np.testing.assert_allclose(out.logprobs, ref_lp, atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(out.routed_experts, ref_routes)
 
 
 def test_missing_checkpoint_tensor_is_an_error(qwen_ckpt, tmp_path):

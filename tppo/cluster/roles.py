@@ -11,6 +11,7 @@ run with a message that names the role and rank, never a hang: every remote call
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,11 +86,28 @@ class RankGroup:
         try:
             return ray.get(refs, timeout=CALL_TIMEOUT_S)
         except ray.exceptions.RayActorError as err:
-            raise RoleError(f"a {self.name} rank died during {name}(): {err}") from err
+            raise RoleError(f"{self._rank_of(err)} died during {name}(){_death_cause(err)}") from err
         except ray.exceptions.GetTimeoutError as err:
             raise RoleError(f"{self.name}.{name}() did not finish within {CALL_TIMEOUT_S:.0f} s") from err
         except ray.exceptions.RayTaskError as err:
-            raise RoleError(f"{self.name}.{name}() failed: {err}") from err
+            raise RoleError(f"{self._rank_of(err)}: {name}() failed: {err}") from err
+
+    def _rank_of(self, err: Exception) -> str:
+        """The role and rank of the actor a Ray error came from ("policy rank 1"; "a policy rank" when the
+        error does not say)."""
+        actor_id = getattr(err, "actor_id", None)
+        ids = [h._actor_id.hex() for h in self.handles]  # a Ray ActorHandle keeps its id there
+        return f"{self.name} rank {ids.index(actor_id)}" if actor_id in ids else f"a {self.name} rank"
+
+
+def _death_cause(err: Exception) -> str:
+    """The pid and Ray's first sentence on why the process ended, in parentheses, of an actor-death error (""
+    when it names neither)."""
+    text = " ".join(str(err).split())
+    pid = re.search(r"\bpid: (\d+)", text)
+    why = re.search(r"Worker exit detail: (.+?)\.(?: |$)", text)
+    parts = [f"pid {pid.group(1)}" if pid else "", why.group(1) if why else ""]
+    return f" ({'; '.join(p for p in parts if p)})" if any(parts) else ""
 
 
 def start_group(
@@ -114,7 +132,6 @@ class Rollout:
     """The rollout engines: generation is split over them, weights go to all of them."""
 
     ranks: RankGroup
-    num_slots: int = 0  # sequences each engine decodes at once (0: not known)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[Any]:
         """Generate on every engine at once, the requests shared by their expected tokens (`share_by_cost`:
@@ -169,9 +186,7 @@ def start_rollout(
     """The rollout engines, each in its own process, built from an HF directory (the policy's export); waits
     until all are built (or fails with a message naming the role)."""
     args = (str(hf_dir), device, dtype, rollout_cfg, 1 if device == "cpu" else None)
-    rollout = Rollout(start_group("rollout", RolloutWorker, [args] * num_workers, remote, placement))
-    rollout.num_slots = rollout.info()[0].num_slots
-    return rollout
+    return Rollout(start_group("rollout", RolloutWorker, [args] * num_workers, remote, placement))
 
 
 # ----------------------------------------------------------------------------------------------- trainers

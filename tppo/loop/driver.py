@@ -84,7 +84,7 @@ def rl_step(
         metrics |= learn(batch, roles, cfg, step, timer)
     outcome = pool.put_back(generated)
     metrics |= rollout_metrics(generated, outcome.retired, timer.seconds["rollout"]) | timer.metrics()
-    metrics |= engine_metrics(stats, roles.rollout.num_slots)
+    metrics |= engine_metrics(stats)
     metrics |= {f"rollout/pool_{k.split('/', 1)[1]}": v for k, v in outcome.metrics().items()}
     return metrics
 
@@ -181,19 +181,26 @@ def generate(
     return rollout.last_stats()
 
 
-def engine_metrics(stats: list[GenerateStats], num_slots: int) -> dict[str, float]:
-    """What the rollout engines spent the step on: prefill and decode seconds (summed over the engines and the
-    step's calls), and how full the decode batches were (rows per decode step, and that over the engine's slots)."""
+def engine_metrics(stats: list[GenerateStats]) -> dict[str, float]:
+    """What the rollout engines spent the step on, summed over the engines and the step's calls: seconds of
+    prefill-only steps and of decode steps (mixed_s of them also carried prompt chunks), how full the decode
+    batches were (rows per decode step, and that over the rows an engine decodes at most), preemptions, and the
+    KV cache's peak use (blocks, and that over the cache's blocks)."""
     steps = sum(s.num_decode_steps for s in stats)
     rows = sum(s.num_decode_rows for s in stats)
-    out = {
+    capacity = sum(s.num_decode_steps * s.max_seqs for s in stats)
+    return {
         "rollout/prefill_s": float(sum(s.prefill_s for s in stats)),
         "rollout/decode_s": float(sum(s.decode_s for s in stats)),
+        "rollout/mixed_s": float(sum(s.mixed_s for s in stats)),
         "rollout/decode_rows_mean": rows / steps if steps else 0.0,
+        "rollout/decode_occupancy": rows / capacity if capacity else 0.0,
+        "rollout/preemptions": float(sum(s.num_preemptions for s in stats)),
+        "rollout/kv_blocks_peak": float(max((s.kv_blocks_peak for s in stats), default=0)),
+        "rollout/kv_usage_peak": max(
+            (s.kv_blocks_peak / s.kv_blocks for s in stats if s.kv_blocks), default=0.0
+        ),
     }
-    if num_slots:
-        out["rollout/decode_occupancy"] = rows / (steps * num_slots) if steps else 0.0
-    return out
 
 
 def update_critic(

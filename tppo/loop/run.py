@@ -3,7 +3,9 @@
 The run directory `<run.output_dir>/<run.name>` is stable for a name, so re-running the same command finds the
 last complete checkpoint and resumes from it: trainer shards, the pool with every in-flight response, the data
 position, RNG states and the step. The rollout engine's weights are derived from the policy's, so they are
-re-exported rather than saved.
+re-exported rather than saved. A checkpoint keeps the settings its files are laid out by (`resume_settings`:
+the model's shape, the trainer ranks, the pool's batch layout); a re-run with other values is refused before
+anything starts, naming them.
 """
 
 from __future__ import annotations
@@ -111,21 +113,42 @@ class DriverState:
         return parts
 
 
-def _save(cfg: ExperimentConfig, roles: Roles, step: int, state: DriverState) -> None:
+def export_policy(policy: Trainer, task: Task, folder: Path) -> None:
+    """The policy as a Hugging Face folder (logical expert order) with the tokenizer the run trains with: what
+    evaluation (`python -m recipes.eval checkpoint=<run dir>`) and serving load."""
+    policy.export_hf(folder)
+    if task.save_tokenizer is not None:
+        task.save_tokenizer(folder)
+
+
+def _save(cfg: ExperimentConfig, roles: Roles, step: int, state: DriverState, task: Task) -> None:
     ckpt = checkpoint.begin(run_dir(cfg) / "checkpoints", step)
     for role, trainer in (("policy", roles.policy), ("critic", roles.critic)):
         trainer.save([ckpt.shard(role, r) for r in range(trainer.ranks.size)])
-    # The policy also in Hugging Face form (logical expert order), for evaluation and serving.
-    roles.policy.export_hf(ckpt.tmp / checkpoint.POLICY_HF)
-    saved = {"step": step} | {name: part.state_dict() for name, part in state.parts().items()}
+    export_policy(roles.policy, task, ckpt.tmp / checkpoint.POLICY_HF)
+    saved = {"step": step, "settings": resume_settings(cfg)}
+    saved |= {name: part.state_dict() for name, part in state.parts().items()}
     checkpoint.save_file(saved, ckpt.tmp / "driver.pt")
     checkpoint.commit(ckpt, cfg.run.keep_checkpoints)
 
 
-def _resume(cfg: ExperimentConfig, roles: Roles, state: DriverState) -> int | None:
-    """The step of the newest usable checkpoint, with every shard and the driver's state loaded from it (None:
-    none). A newer checkpoint that is torn (a file missing or short) or whose driver state cannot be loaded is
-    skipped with a one-line warning saying why."""
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run resumes from, and the driver state read from it."""
+
+    ckpt: Path
+    saved: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.saved["step"])
+
+
+def find_resume_point(cfg: ExperimentConfig) -> ResumePoint | None:
+    """The newest usable checkpoint of the run (None: none), found before anything starts. A newer checkpoint
+    that is torn (a file missing or short) or whose driver state cannot be loaded is skipped with a one-line
+    warning saying why; CheckpointError when every checkpoint was skipped, or when the one found was written
+    with other settings (`resume_settings`)."""
     skipped: list[str] = []
 
     def skip(ckpt: Path, why: str) -> None:
@@ -138,20 +161,76 @@ def _resume(cfg: ExperimentConfig, roles: Roles, state: DriverState) -> int | No
         except (checkpoint.CheckpointError, pickle.UnpicklingError, EOFError, RuntimeError) as err:
             skip(ckpt, f"driver.pt cannot be loaded ({str(err).splitlines()[0]})")
             continue
-        for role, trainer in (("policy", roles.policy), ("critic", roles.critic)):
-            trainer.load([ckpt / f"{role}_rank{r}.pt" for r in range(trainer.ranks.size)])
-        for name, part in state.parts().items():
-            # A run whose planner was off when it saved continues with a fresh one.
-            if name in saved:
-                part.load_state_dict(saved[name])
-        _log.warning("resuming from %s (step %d)", ckpt, saved["step"])
-        return saved["step"]
+        if "settings" in saved:  # none in checkpoints written before they were kept
+            _check_settings(cfg, ckpt, saved["settings"])
+        return ResumePoint(ckpt, saved)
     if skipped:  # starting afresh would overwrite the run's metrics and prune its checkpoints
         raise checkpoint.CheckpointError(
             f"no usable checkpoint in {run_dir(cfg) / 'checkpoints'} (skipped {', '.join(skipped)}, see above): move "
             "the run directory away or pick a new run.name"
         )
     return None
+
+
+def _resume(point: ResumePoint, roles: Roles, state: DriverState) -> int:
+    """Load every shard and the driver's state from the resume point; its step."""
+    for role, trainer in (("policy", roles.policy), ("critic", roles.critic)):
+        trainer.load([point.ckpt / f"{role}_rank{r}.pt" for r in range(trainer.ranks.size)])
+    for name, part in state.parts().items():
+        # A run whose planner was off when it saved continues with a fresh one.
+        if name in point.saved:
+            part.load_state_dict(point.saved[name])
+    _log.warning("resuming from %s (step %d)", point.ckpt, point.step)
+    return point.step
+
+
+# What a checkpoint's shards and pool are laid out by: a run resumes only with the same values.
+_MODEL_SHAPE = (
+    "arch",
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_query_groups",
+    "head_dim",
+    "ffn_hidden_size",
+    "moe_ffn_hidden_size",
+    "num_experts",
+    "moe_topk",
+    "shared_expert_ffn_hidden_size",
+    "first_k_dense",
+    "tie_word_embeddings",
+)
+
+
+def resume_settings(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The settings a resumed run must share with its checkpoint, by config key: the model's shape, how the
+    trainer ranks split it (the shards), and the pool's layout (batch and group size, window, L_max)."""
+    model = dataclasses.asdict(cfg.model)
+    a, c, p = cfg.algo, cfg.cluster, cfg.parallel
+    return {f"model.{k}": model[k] for k in _MODEL_SHAPE} | {
+        "algo.batch_size": a.batch_size,
+        "algo.group_size": a.group_size,
+        "algo.window": a.window,
+        "algo.max_response_length": a.max_response_length,
+        "algo.dynamic_sampling": a.dynamic_sampling,
+        "cluster.policy_ranks": c.policy_ranks,
+        "cluster.critic_ranks": c.critic_ranks,
+        "parallel.tensor_parallel": p.tensor_parallel,
+        "parallel.pipeline_parallel": p.pipeline_parallel,
+        "parallel.expert_parallel": p.expert_parallel,
+    }
+
+
+def _check_settings(cfg: ExperimentConfig, ckpt: Path, saved: dict[str, Any]) -> None:
+    """CheckpointError naming every setting that differs from the one `ckpt` was written with."""
+    now = resume_settings(cfg)
+    changed = [f"{k}={saved[k]!r} now {now[k]!r}" for k in now if k in saved and saved[k] != now[k]]
+    if changed:
+        raise checkpoint.CheckpointError(
+            f"{ckpt} was written with other settings ({', '.join(changed)}); to start afresh, pick a new "
+            f"run.name or move {run_dir(cfg)} away"
+        )
 
 
 def train(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -161,8 +240,9 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.run.seed)
     task = build_task(cfg)
     loop_eval = prepare_loop_eval(
-        cfg.eval, cfg.run.eval_every, cfg.rollout.max_model_len, task.tokenizer, task.stop_token_ids
+        cfg.eval, cfg.run.eval_every, cfg.max_model_len, task.tokenizer, task.stop_token_ids
     )
+    point = find_resume_point(cfg)
     out = run_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
     reference_ranks = cfg.cluster.policy_ranks if cfg.algo.kl_coef else 0
@@ -170,14 +250,14 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
         roles = _start_roles(cfg, placement)
         pool = SamplePool.from_config(cfg.algo, task.dataset, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         state = DriverState(pool, History(), roles.planner)
-        resumed = _resume(cfg, roles, state)
+        resumed = None if point is None else _resume(point, roles, state)
         start = 0 if resumed is None else resumed + 1
         if resumed is None:
             state.history.warm_start_nll = warm_start(cfg, task, roles.policy)
         if roles.reference is not None:
             _freeze_reference(cfg, roles, fresh=resumed is None)
         # The rollout engine starts from the policy's current weights (warm-started or resumed).
-        roles.policy.export_hf(out / "rollout_init")
+        export_policy(roles.policy, task, out / "rollout_init")
         if cfg.cluster.time_shared:  # the engine sizes its KV cache from the free memory it finds
             offload_trainers(roles)
         roles.rollout = rollout_engines(cfg, out / "rollout_init", placement)
@@ -223,7 +303,7 @@ def _loop(
             metrics["perf/eval_s"] = time.perf_counter() - t0
         logger.log(metrics, step=step)
         if (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0) or step + 1 == cfg.run.num_steps:
-            _save(cfg, roles, step, state)
+            _save(cfg, roles, step, state, task)
 
 
 def _start_roles(cfg: ExperimentConfig, placement: Reservation) -> Roles:

@@ -41,7 +41,16 @@ class _Engines:
 
     def last_stats(self):
         return GenerateStats(
-            num_requests=4, prefill_s=0.5, decode_s=2.0, num_decode_steps=4, num_decode_rows=12
+            num_requests=4,
+            prefill_s=0.5,
+            decode_s=2.0,
+            mixed_s=0.5,
+            num_decode_steps=4,
+            num_decode_rows=12,
+            max_seqs=4,
+            num_preemptions=1,
+            kv_blocks=10,
+            kv_blocks_peak=5,
         )
 
 
@@ -98,7 +107,7 @@ def test_dynamic_sampling_trains_only_informative_groups_and_refills_the_batch()
     roles = Roles(
         policy=Trainer(RankGroup("policy", [policy], remote=False), micro_batch_size=2, routing=False),
         critic=Trainer(RankGroup("critic", [critic], remote=False), micro_batch_size=2, routing=False),
-        rollout=Rollout(RankGroup("rollout", [_Engines()], remote=False), num_slots=4),
+        rollout=Rollout(RankGroup("rollout", [_Engines()], remote=False)),
     )
     metrics = rl_step(0, cfg, pool, roles, _verifier, stop_ids=())
     # Prompts 0-3 first: 1 and 3 are informative; each refill asks for the missing items (4, then 2, then 2):
@@ -111,6 +120,8 @@ def test_dynamic_sampling_trains_only_informative_groups_and_refills_the_batch()
     # four generate calls (the batch and three refills), each 12 decode rows over 4 steps of 4 slots
     assert metrics["rollout/decode_s"] == 8.0 and metrics["rollout/prefill_s"] == 2.0
     assert metrics["rollout/decode_rows_mean"] == 3.0 and metrics["rollout/decode_occupancy"] == 0.75
+    assert metrics["rollout/mixed_s"] == 2.0 and metrics["rollout/preemptions"] == 4.0
+    assert metrics["rollout/kv_blocks_peak"] == 5.0 and metrics["rollout/kv_usage_peak"] == 0.5
     # The bound on over-sampling: one refill round leaves a smaller batch of informative groups.
     bounded = replace(cfg, algo=replace(algo, dynamic_sampling_rounds=1))
     policy.trained_prompts.clear()
