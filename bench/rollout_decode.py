@@ -230,7 +230,7 @@ def decode_step(engine: RolloutEngine, batch: int, args):
                 raise RuntimeError(f"the KV cache cannot hold {batch} rows of {position + 1} positions")
         tokens_T4 = np.zeros((batch, 4), dtype=np.int64)
         tokens_T4[:, POSITION], tokens_T4[:, SEQ] = position, rows
-        tokens_T4[:, CACHE_ROW] = [table.cache_rows(r, position, position + 1)[0] for r in rows]
+        tokens_T4[:, CACHE_ROW] = table.cache_rows(tokens_T4[:, SEQ], tokens_T4[:, POSITION])
         yield StepInputs(
             tokens_T4=tokens_T4,
             num_decode=batch,

@@ -365,32 +365,25 @@ class RolloutEngine:
     # ------------------------------------------------------------------------------------------ steps
     def _inputs(self, step: _Step) -> StepInputs:
         """The step's flat tokens (decode rows, then prefill pieces) and the sampling rows, as arrays."""
-        table = self.cache.table
         decode, pieces = step.decode, step.pieces
         n = len(decode)
         total = n + sum(m for _, _, m in pieces)
         tok = np.empty((total, 4), dtype=np.int64)
         if n:
-            rows = np.fromiter((r.row for r in decode), np.int64, n)
-            pos = np.fromiter((r.length - 1 for r in decode), np.int64, n)
-            bs = table.plan.block_size
             tok[:n, TOKEN] = [r.tokens[-1] for r in decode]
-            tok[:n, POSITION], tok[:n, SEQ] = pos, rows
-            tok[:n, CACHE_ROW] = table.table_RB[rows, pos // bs].astype(np.int64) * bs + pos % bs
+            tok[:n, POSITION] = np.fromiter((r.length - 1 for r in decode), np.int64, n)
+            tok[:n, SEQ] = np.fromiter((r.row for r in decode), np.int64, n)
         spans, offset = [], n
         for r, start, m in pieces:
             seq = r.prompt + r.tokens if r.tokens else r.prompt
             tok[offset : offset + m, TOKEN] = seq[start : start + m]
             tok[offset : offset + m, POSITION] = np.arange(start, start + m)
             tok[offset : offset + m, SEQ] = r.row
-            tok[offset : offset + m, CACHE_ROW] = table.cache_rows(r.row, start, start + m)
             spans.append((offset, m))
             offset += m
-        sampled = [*decode, *(r for r, _, _ in step.ends)]
-        samples = [
-            *range(n),
-            *(o + m - 1 for (o, m), (r, s, _) in zip(spans, pieces) if (r, s, m) in step.ends),
-        ]
+        tok[:, CACHE_ROW] = self.cache.table.cache_rows(tok[:, SEQ], tok[:, POSITION])
+        sampled = [*decode, *(r for (r, _, _), end in zip(pieces, step.ends) if end)]
+        samples = [*range(n), *(o + m - 1 for (o, m), end in zip(spans, step.ends) if end)]
         return StepInputs(
             tokens_T4=tok,
             num_decode=n,
@@ -419,12 +412,11 @@ class RolloutEngine:
             else:
                 self._append(r, tokens[i], logprobs[i])
         offset, j = len(step.decode), len(step.decode)
-        for piece in step.pieces:
-            r, start, m = piece
+        for (r, start, m), end in zip(step.pieces, step.ends):
             r.record(start, routes[offset : offset + m])
             r.num_cached = start + m
             offset += m
-            if piece in step.ends:
+            if end:
                 self._append(r, tokens[j], logprobs[j])
                 j += 1
         return finished
@@ -489,12 +481,11 @@ class RolloutEngine:
 @dataclass(frozen=True)
 class _Step:
     """What the scheduler picked: decoding requests (one token each) and prefill pieces (request, first
-    position, length); `ends` are the pieces that complete a fresh prompt (their last token's successor is
-    sampled)."""
+    position, length); `ends[i]`: piece i completes a fresh prompt (its last token's successor is sampled)."""
 
     decode: list[_Request]
     pieces: list[tuple[_Request, int, int]]
-    ends: list[tuple[_Request, int, int]]
+    ends: list[bool]
     num_running: int
 
 
@@ -535,7 +526,7 @@ class _Scheduler:
                 f"rollout scheduler: no step possible with {len(self.waiting)} waiting requests and "
                 f"{self.table.num_free_blocks} free KV blocks (a bug: the cache holds one full-length sequence)"
             )
-        ends = [p for p in pieces if p[1] + p[2] == p[0].target and not p[0].tokens]
+        ends = [start + m == r.target and not r.tokens for r, start, m in pieces]
         return _Step(decode, pieces, ends, len(self.running))
 
     def retire(self, r: _Request) -> None:

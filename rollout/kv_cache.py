@@ -154,11 +154,10 @@ class BlockTable:
         self._free_rows.append(row)
         self.version += 1
 
-    def cache_rows(self, row: int, start: int, stop: int) -> np.ndarray:
-        """Flat cache rows of positions [start, stop) of `row` (int64)."""
-        positions = np.arange(start, stop)
+    def cache_rows(self, rows_T: np.ndarray, positions_T: np.ndarray) -> np.ndarray:
+        """Flat cache rows (int64) of position positions_T[t] of block-table row rows_T[t]."""
         bs = self.plan.block_size
-        return self.table_RB[row, positions // bs].astype(np.int64) * bs + positions % bs
+        return self.table_RB[rows_T, positions_T // bs].astype(np.int64) * bs + positions_T % bs
 
 
 class KVCache:
@@ -172,9 +171,10 @@ class KVCache:
         self.plan = plan
         self.table = BlockTable(plan)
         self.table_RB = torch.zeros(self.table.table_RB.shape, dtype=torch.int32, device=device)
-        self._pinned_RB = torch.from_numpy(self.table.table_RB)
-        if device.type == "cuda":
-            self._pinned_RB = torch.zeros_like(self._pinned_RB).pin_memory()
+        # CUDA: the table is staged in pinned memory so its copy to the device is asynchronous
+        self._pinned_RB = (
+            torch.zeros_like(self.table_RB, device="cpu").pin_memory() if device.type == "cuda" else None
+        )
         self._synced_version = -1
 
     @property
@@ -194,9 +194,10 @@ class KVCache:
         """Copy the host block table to the device if it changed since the last copy (stream-ordered)."""
         if self._synced_version == self.table.version:
             return
-        if self._pinned_RB.data_ptr() != self.table.table_RB.ctypes.data:
-            self._pinned_RB.numpy()[:] = self.table.table_RB
-        self.table_RB.copy_(self._pinned_RB, non_blocking=True)
+        src_RB = torch.from_numpy(self.table.table_RB)
+        if self._pinned_RB is not None:
+            src_RB = self._pinned_RB.copy_(src_RB)
+        self.table_RB.copy_(src_RB, non_blocking=True)
         self._synced_version = self.table.version
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -114,7 +114,8 @@ class StepRunner:
             )
 
         self.tokens_T4, self._host_tokens_T4 = pair((max_tokens, 4), torch.long)
-        self.tiles_Q2, self._host_tiles_Q2 = pair((max_tiles, 2), torch.int32)
+        # tile starts | tile lengths as rows, so each is a contiguous vector (the kernels index them so)
+        self.tiles_2Q, self._host_tiles_2Q = pair((2, max_tiles), torch.int32)
         # samples: flat index, seed bits, top_k | temperature, top_p
         self.sample_ints_S3, self._host_sample_ints_S3 = pair((max_seqs, 3), torch.long)
         self.sample_floats_S2, self._host_sample_floats_S2 = pair((max_seqs, 2), torch.float32)
@@ -136,9 +137,10 @@ class StepRunner:
     def run(self, x: StepInputs) -> StepOutputs:
         """One step: stage the inputs, run (graph replay or eager), fetch the outputs. On CUDA a step runs at its
         padded bucket shape with or without graphs, so both give the same bits."""
-        shape = self._bucket_shape(x) if self.device.type == "cuda" else None
-        shape = shape or self._exact_shape(x)
-        self._stage(x, shape)
+        starts, lengths = prefill_tiles(x.pieces, self.tile)
+        shape = self._bucket_shape(x, len(starts)) if self.device.type == "cuda" else None
+        shape = shape or self._exact_shape(x, len(starts))
+        self._stage(x, shape, starts, lengths)
         graph = None
         if self.use_cuda_graphs and shape.tokens <= self.graph_max_tokens:
             graph = self._graphs.pop(shape, None) or self._capture(shape)
@@ -151,13 +153,12 @@ class StepRunner:
             graph.replay()
         return self._fetch(x, shape)
 
-    def _exact_shape(self, x: StepInputs) -> _Shape:
-        tiles = len(prefill_tiles(x.pieces, self.tile)[0])
-        return _Shape(x.num_decode, x.num_tokens - x.num_decode, tiles, len(x.samples_S), x.filtered)
+    def _exact_shape(self, x: StepInputs, num_tiles: int) -> _Shape:
+        return _Shape(x.num_decode, x.num_tokens - x.num_decode, num_tiles, len(x.samples_S), x.filtered)
 
-    def _bucket_shape(self, x: StepInputs) -> _Shape | None:
+    def _bucket_shape(self, x: StepInputs, num_tiles: int) -> _Shape | None:
         """The bucket of a step, or None when it is too large for a graph (it then runs at its exact shape)."""
-        exact = self._exact_shape(x)
+        exact = self._exact_shape(x, num_tiles)
         decode = next(b for b in self._batch_sizes if b >= exact.decode) if exact.decode else 0
         prefill = _pow2_at_least(exact.prefill, 16) if exact.prefill else 0
         if decode + prefill > self.graph_max_tokens:
@@ -167,7 +168,7 @@ class StepRunner:
         samples = decode + (_pow2_at_least(ends, 1) if ends else 0)
         return _Shape(decode, prefill, tiles, min(samples, self.max_seqs), exact.filtered)
 
-    def _stage(self, x: StepInputs, shape: _Shape) -> None:
+    def _stage(self, x: StepInputs, shape: _Shape, starts: list[int], lengths: list[int]) -> None:
         """Copy the step into the static buffers at the padded layout: decode rows [0, n) then padding rows to
         shape.decode, prefill tokens from shape.decode; padding tokens sit in the padding row at position 0."""
         n, t = x.num_decode, shape.tokens
@@ -177,10 +178,10 @@ class StepRunner:
         tok[:, SEQ] = self.model.cache.table.padding_row
         tok[:n] = x.tokens_T4[:n]
         tok[shape.decode : shape.decode + x.num_tokens - n] = x.tokens_T4[n:]
-        starts, lengths = prefill_tiles([(s + shift, m) for s, m in x.pieces], self.tile)
-        tiles = self._host_tiles_Q2[: shape.tiles].numpy()
+        tiles = self._host_tiles_2Q[:, : shape.tiles].numpy()
         tiles[:] = 0
-        tiles[: len(starts), 0], tiles[: len(starts), 1] = starts, lengths
+        tiles[0, : len(starts)] = np.asarray(starts, dtype=np.int64) + shift
+        tiles[1, : len(starts)] = lengths
         s = len(x.samples_S)
         ints, floats = (
             self._host_sample_ints_S3[: shape.samples].numpy(),
@@ -194,7 +195,7 @@ class StepRunner:
         self.model.cache.sync_table()
         for dev, host, rows in (
             (self.tokens_T4, self._host_tokens_T4, t),
-            (self.tiles_Q2, self._host_tiles_Q2, shape.tiles),
+            (self.tiles_2Q.T, self._host_tiles_2Q.T, shape.tiles),
             (self.sample_ints_S3, self._host_sample_ints_S3, shape.samples),
             (self.sample_floats_S2, self._host_sample_floats_S2, shape.samples),
         ):
@@ -223,7 +224,7 @@ class StepRunner:
         """The captured work: forward of the step's tokens, then sampling into tokens_S / logprobs_S."""
         t, s = shape.tokens, shape.samples
         tok = self.tokens_T4[:t]
-        tiles = self.tiles_Q2[: shape.tiles]
+        tiles = self.tiles_2Q[:, : shape.tiles]
         splits = (
             decode_splits(shape.decode, self.model.spec.num_kv_heads, self.num_sms) if shape.decode else 1
         )
@@ -231,8 +232,8 @@ class StepRunner:
             seq_T=tok[:, SEQ].to(torch.int32),
             pos_T=tok[:, POSITION].to(torch.int32),
             num_decode=shape.decode,
-            tile_start_Q=tiles[:, 0].contiguous(),  # the kernels index them as contiguous vectors
-            tile_len_Q=tiles[:, 1].contiguous(),
+            tile_start_Q=tiles[0],
+            tile_len_Q=tiles[1],
             num_splits=splits,
         )
         index_S, seeds_S, top_k_S = self.sample_ints_S3[:s].unbind(1)
