@@ -14,7 +14,7 @@ Sections (each recorded in the JSON, an error in one does not stop the others):
    experts, included). Also the bare time of one runner step of the padded batch at the mid length.
    Roofline: bytes a step must read = non-expert weights (attention, norms, routers, final norm, all lm_head
    rows) + (distinct experts the step's tokens routed to, summed over layers, from the trace) x bytes of one
-   expert + K/V of every attended position; over `--bandwidth` (4.3 TB/s measured copy bandwidth of the H200)
+   expert + K/V of every attended position; over `--bandwidth` (by default the card's measured copy bandwidth)
    that is the floor; fraction = mean floor / mean step time.
 3. hf: transformers' generate() (sampling, temperature 1, top_k 0) at `--hf-layers` layers on the same shapes;
    decode rate = B (n - 1) / (t(n new tokens) - t(1 new token)).
@@ -90,6 +90,46 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def copy_bandwidth(device: torch.device, gib: float = 2.0, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write of a `gib` GiB buffer, best of `repeats`).
+
+    The roofline's denominator, measured on the card the benchmark runs on (4.3e12 on the H200 we use, ~3.0e12
+    on an H100 SXM); off CUDA it returns the H200 figure so CPU smoke runs still print a fraction.
+    """
+    if device.type != "cuda":
+        return 4.3e12
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e-3)
+    del src, dst
+    free_memory()
+    return 2 * gib * 2**30 / best
+
+
+def add_bandwidth_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--bandwidth",
+        type=float,
+        default=0.0,
+        help="bytes/s of the roofline; 0 (default): measured device-to-device copy bandwidth of this card",
+    )
+
+
+def resolve_bandwidth(args, device: torch.device) -> float:
+    if args.bandwidth <= 0:
+        args.bandwidth = copy_bandwidth(device)
+    print(f"roofline bandwidth: {args.bandwidth / 1e12:.2f} TB/s", flush=True)
+    return args.bandwidth
+
+
 def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -139,7 +179,7 @@ def run_engine(args, cfg: dict, device: torch.device, dtype: torch.dtype) -> lis
         max_model_len=-(-max_len // 128) * 128,
         max_batch_size=max(args.batches),
         cuda_graphs=not args.eager,
-        kv_cache_fraction=0.5,
+        kv_cache_fraction=args.kv_cache_fraction,
         trace_steps=True,
     )
     engine = RolloutEngine.from_config(cfg, device=device, dtype=dtype, config=config, seed=0)
@@ -456,13 +496,17 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--hf-new-tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s (measured H200 copy bandwidth)")
+    add_bandwidth_arg(ap)
+    ap.add_argument(
+        "--kv-cache-fraction", type=float, default=0.5, help="of the free GPU memory given to the KV cache"
+    )
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: check,engine,hf")
     ap.add_argument("--tiny", action="store_true", help="toy widths (CPU smoke test of the script)")
     ap.add_argument("--json", default="bench/out/rollout_decode.json")
     args = ap.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    resolve_bandwidth(args, device)
     base = TINY if args.tiny else QWEN3_30B_A3B
     skip = set(args.skip.split(",")) - {""}
     results: dict = {

@@ -31,6 +31,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rollout_decode import add_bandwidth_arg, resolve_bandwidth
+
 from rollout.sampling import counter_uniform_torch, sample
 
 FULL = dict(hidden=2048, ffn=768, experts=128, top_k=8, heads=32, kv_heads=4, head_dim=128, vocab=151936)
@@ -266,11 +269,12 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=256)
     ap.add_argument("--inner", type=int, default=48, help="calls per captured graph")
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--bandwidth", type=float, default=4.3e12)
+    add_bandwidth_arg(ap)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--json", default="bench/out/rollout_kernels.json")
     args = ap.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    resolve_bandwidth(args, device)
     c = TINY if args.tiny else FULL
     rows: list[dict] = []
     with torch.inference_mode():

@@ -35,8 +35,8 @@ Roofline, per step with decoding rows (from the engine's step trace): bytes = no
 norms, routers of all layers, final norm, every lm_head row; the embedding rows a step gathers are left out) +
 distinct experts the step's tokens touched (summed over layers) x bytes of one expert (gate_up + down) + the
 keys the decoding rows attend to x K/V bytes per position (all layers); a mixed step's prefill chunk reads of
-its own prompt's K/V are not counted (small next to the weights). Floor = bytes / `--bandwidth` (4.3 TB/s, the
-measured copy bandwidth of the H200, see rollout_decode.py); reported: mean floor / step time over decode-only
+its own prompt's K/V are not counted (small next to the weights). Floor = bytes / `--bandwidth` (by default the
+card's measured copy bandwidth, see rollout_decode.py); reported: mean floor / step time over decode-only
 steps, and over decode-only steps with >= `--long-rows` rows and mean context >= `--long-context` positions.
 Step time by decode rows: steps binned by decoding rows (`--bin-rows` per bin), per bin the median time of
 decode-only steps and of mixed steps and their ratio (the issue's target: a mixed step at most 10% slower than
@@ -62,7 +62,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rollout_decode import QWEN3_30B_A3B, TINY, free_memory, roofline_parts, step_floor_bytes, sync
+from rollout_decode import (
+    QWEN3_30B_A3B,
+    TINY,
+    add_bandwidth_arg,
+    free_memory,
+    resolve_bandwidth,
+    roofline_parts,
+    step_floor_bytes,
+    sync,
+)
 
 from rollout import RolloutEngine, SamplingParams
 from rollout.config import RolloutConfig
@@ -521,7 +530,7 @@ def main() -> None:
         default=256,
         help="new tokens per warm-up request (0: no warm-up); must outlast the admission ramp (see warm_up)",
     )
-    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s (measured H200 copy bandwidth)")
+    add_bandwidth_arg(ap)
     ap.add_argument(
         "--long-rows", type=int, default=128, help="roofline of decode steps with at least these rows"
     )
@@ -539,6 +548,7 @@ def main() -> None:
             f"unknown engines/modes {sorted(unknown)}: expected --engines paged,slot --modes plain,windows"
         )
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    resolve_bandwidth(args, device)
     cfg = TINY_LONG if args.tiny else QWEN3_30B_A3B
     prompts, lengths, seeds = workload(args, cfg["vocab_size"])
     spec = MoeModelSpec.from_hf_config(cfg)

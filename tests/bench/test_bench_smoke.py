@@ -26,6 +26,7 @@ SCRIPTS = {
         "--timing-processes", "1",
     ],
     "relibra_floor_milp": ["--ep", "16", "--layers", "0", "--time-limit", "3"],
+    "tppo_vs_ppo": ["rollout", "--tiny"],
 }  # fmt: skip
 
 

@@ -96,8 +96,11 @@ def test_device_counter_uniforms_equal_numpy():
 
 @pytest.mark.parametrize("block", [16, 0], ids=["paged16", "slot"])
 def test_triton_paged_attention_matches_the_sdpa_reference_path(monkeypatch, block):
-    """The same engine with the model's attention swapped for the exact SDPA reference: bf16 kernels round
-    differently, so log-probs are compared loosely over the shared greedy prefix."""
+    """The same engine with the model's attention swapped for the exact SDPA reference. bf16 kernels round
+    differently, so greedy tokens may part after a few near-ties: log-probs are compared over the shared prefix
+    (on the H100 the mean difference per request was <= 0.014 and single tokens up to 0.19), and each path
+    against transformers on its own tokens (Triton's mean error 1.1-1.3x SDPA's). A wrong block table or tile
+    gives errors of order 1."""
     import rollout.model
     from rollout.paged_attention import paged_attention_reference
 
@@ -111,10 +114,16 @@ def test_triton_paged_attention_matches_the_sdpa_reference_path(monkeypatch, blo
     monkeypatch.setattr(rollout.model, "paged_attention", paged_attention_reference)
     engine.runner = engine.new_runner(False)
     sdpa = engine.generate(prompts, params)
-    for a, b in zip(triton, sdpa):
+    hf_error = {"triton": [], "sdpa": []}
+    for prompt, a, b in zip(prompts, triton, sdpa):
         same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
         assert same >= 4
-        np.testing.assert_allclose(a.logprobs[:same], b.logprobs[:same], atol=0.05, rtol=0)
+        diff = np.abs(a.logprobs[:same] - b.logprobs[:same])
+        assert diff.mean() < 0.03 and diff.max() < 0.3
+        for name, out in (("triton", a), ("sdpa", b)):
+            ref_lp, _ = hf_logprobs_and_routes(hf, prompt + out.token_ids, len(prompt), 0.0)
+            hf_error[name].append(np.abs(ref_lp - out.logprobs).mean())
+    assert np.mean(hf_error["triton"]) <= 1.5 * np.mean(hf_error["sdpa"]) + 0.005
 
 
 def test_preemption_on_cuda_keeps_every_request():

@@ -1,0 +1,572 @@
+"""T-PPO against synchronous PPO (issue #28): the rollout engine alone, and the training loop end to end.
+
+    python bench/tppo_vs_ppo.py rollout --json bench/out/tppo_vs_ppo_rollout.json   # H200, bf16, 16-layer MoE
+    python bench/tppo_vs_ppo.py e2e --json bench/out/tppo_vs_ppo_e2e.json           # 3 algorithms x seeds
+    python bench/tppo_vs_ppo.py rollout --tiny        # CPU smoke runs of every code path (toy model, few steps)
+    python bench/tppo_vs_ppo.py e2e --tiny
+
+rollout: the engine with random weights and no learning, fed through the training loop's own `SamplePool`.
+Every item of the stream has a target length drawn once from a lognormal law (median `--median-frac` x L_max,
+sigma `--sigma`, clipped to [L_max / 100, L_max]) keyed by its uid, and generates exactly that many tokens
+(`ignore_eos`), so both algorithms see the same requests in the same order:
+- ppo: the pool with W = L_max, i.e. synchronous PPO: each step generates B whole responses.
+- tppo W=w: the pool with window w: each step takes the unfinished continuations first and fills the batch with
+  fresh items; each item generates min(w, remaining) tokens from its prompt plus all its tokens so far (the
+  continuation is prefilled again); finished items retire and new prompts take their place.
+PPO runs `--ppo-steps` steps; T-PPO runs until it has completed at least as many responses (at most
+`--max-tppo-steps`), so both totals cover the same work. Per step and in total: wall seconds, completed
+responses and their tokens, completed-response tokens per second, generated tokens, decode occupancy =
+generated tokens / (decode steps x B) (the fraction of the batch's rows still decoding, averaged over the
+engine's steps), prefill tokens (re-prefill of continuations included) and seconds per completed response.
+A T-PPO run's completed tokens count only responses that finished within it: work left in flight at the end is
+spent but not counted (the comparison is conservative for T-PPO).
+
+e2e: the training loop (`python -m recipes.train`, one subprocess per run, as a user runs it) on the same
+experiment, seeds and learning rates with three algorithms: `tppo` (window `--window`), `ppo` (whole responses,
+GAE) and `tppo_wmax` (T-PPO with W = L_max, a sanity check whose curve must match PPO's: EGAE over a window that
+holds the whole response is GAE). Read from each run's metrics.jsonl: reward per step (`rollout/reward_mean`,
+smoothed over `--smooth` steps), cumulative wall clock (sum of `perf/step_s`: the RL steps, not start-up or the
+warm start), and each phase's share of the step. Reported per algorithm (median and spread over seeds): the
+wall clock to reach `--threshold`, the reward at the equal wall clock (the shortest run's total), the mean step
+time and phase shares; plots of reward vs wall clock and decode occupancy per step under `--plots`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rollout_decode import QWEN3_30B_A3B, TINY, free_memory, sync
+from rollout_long import warm_up
+
+from rollout import RolloutEngine, SamplingParams
+from rollout.config import RolloutConfig
+from tppo.algo.pool import Prompt, Sample, SamplePool
+from tppo.algo.stages import request_seed
+
+REPO = Path(__file__).resolve().parents[1]
+# The 16-layer MoE of bench/megatron_train.py (hidden 2048, 64 experts top-8, expert FFN 768, vocab 32768).
+MOE_16L = dict(QWEN3_30B_A3B, num_hidden_layers=16, num_experts=64, vocab_size=32768)
+TINY_MOE = dict(TINY, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
+TINY_ROLLOUT = dict(
+    device="cpu",
+    dtype="float32",
+    batch_sizes=[8],
+    max_length=96,
+    windows=[24],
+    group_size=4,
+    prompt_min=4,
+    prompt_max=12,
+    ppo_steps=2,
+    max_tppo_steps=12,
+    warmup_tokens=4,
+    kv_tokens=4096,
+    max_step_tokens=64,
+)
+
+
+# --------------------------------------------------------------------------------------------- the stream
+class RandomPrompts:
+    """`num` prompts of random token ids, lengths uniform in [low, high]; prompt i depends only on (seed, i)."""
+
+    def __init__(self, num: int, low: int, high: int, vocab: int, seed: int) -> None:
+        self.num, self.low, self.high, self.vocab, self.seed = num, low, high, vocab, seed
+
+    def __len__(self) -> int:
+        return self.num
+
+    def __getitem__(self, index: int) -> Prompt:
+        rng = np.random.default_rng([self.seed, index])
+        ids = rng.integers(0, self.vocab, size=int(rng.integers(self.low, self.high + 1)))
+        return Prompt(uid=f"p{index}", prompt_ids=ids)
+
+
+def target_length(uid: str, seed: int, max_length: int, median_frac: float, sigma: float) -> int:
+    """The item's response length: lognormal(log(median_frac * L_max), sigma), rounded, clipped to
+    [ceil(L_max / 100), L_max]; drawn from (seed, crc32(uid)) so every algorithm gives the item the same one."""
+    rng = np.random.default_rng([seed, zlib.crc32(uid.encode())])
+    draw = rng.lognormal(math.log(median_frac * max_length), sigma)
+    return int(min(max(round(draw), math.ceil(max_length / 100)), max_length))
+
+
+# --------------------------------------------------------------------------------------------- one algorithm
+@dataclass
+class StepRecord:
+    step: int
+    seconds: float
+    batch: int
+    continuations: int
+    completed: int
+    completed_tokens: int
+    generated_tokens: int
+    prefill_tokens: int
+    decode_steps: int
+    decode_rows: int
+    preemptions: int
+    occupancy: float
+
+
+@dataclass
+class AlgoRun:
+    name: str
+    batch_size: int
+    window: int
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def totals(self) -> dict:
+        seconds = sum(s.seconds for s in self.steps)
+        completed = sum(s.completed for s in self.steps)
+        completed_tokens = sum(s.completed_tokens for s in self.steps)
+        decode_steps = sum(s.decode_steps for s in self.steps)
+        return {
+            "steps": len(self.steps),
+            "seconds": seconds,
+            "completed": completed,
+            "completed_tokens": completed_tokens,
+            "completed_tok_s": completed_tokens / seconds if seconds else 0.0,
+            "generated_tokens": sum(s.generated_tokens for s in self.steps),
+            "prefill_tokens": sum(s.prefill_tokens for s in self.steps),
+            "preemptions": sum(s.preemptions for s in self.steps),
+            "occupancy": sum(s.generated_tokens for s in self.steps) / (decode_steps * self.batch_size)
+            if decode_steps
+            else 0.0,
+            "s_per_completed": seconds / completed if completed else float("inf"),
+        }
+
+
+def window_params(batch: list[Sample], targets: list[int], args, step: int) -> list[SamplingParams]:
+    """min(window budget, tokens the item still has to generate), ignore_eos, the loop's per-step seeds."""
+    return [
+        SamplingParams(
+            max_new_tokens=min(s.max_new_tokens, t - s.num_response_tokens),
+            temperature=1.0,
+            seed=request_seed(args.seed, step, s.uid),
+            ignore_eos=True,
+        )
+        for s, t in zip(batch, targets)
+    ]
+
+
+def rollout_step(engine: RolloutEngine, pool: SamplePool, args, step: int) -> tuple[StepRecord, list[Sample]]:
+    """One step of the loop's rollout stage: take, generate one window each, retire what reached its target.
+    Returns the step's record and the retired samples."""
+    batch = pool.take()
+    targets = [target_length(s.uid, args.seed, args.max_length, args.median_frac, args.sigma) for s in batch]
+    continuations = sum(s.num_response_tokens > 0 for s in batch)
+    sync(engine.device)
+    t0 = time.perf_counter()
+    outs = engine.generate([s.context_ids.tolist() for s in batch], window_params(batch, targets, args, step))
+    sync(engine.device)
+    seconds = time.perf_counter() - t0
+    for s, t, o in zip(batch, targets, outs):
+        done = s.num_response_tokens + len(o.token_ids) >= t and t < s.max_response_length
+        s.add_window(o.token_ids, o.logprobs, finish_reason="eos" if done else None)
+        if s.finished:
+            s.reward = 0.0
+    retired = pool.put_back(batch).retired
+    st = engine.last_stats
+    record = StepRecord(
+        step=step,
+        seconds=seconds,
+        batch=len(batch),
+        continuations=continuations,
+        completed=len(retired),
+        completed_tokens=sum(s.num_response_tokens for s in retired),
+        generated_tokens=st.num_generated_tokens,
+        prefill_tokens=st.num_prefill_tokens,
+        decode_steps=st.num_decode_steps,
+        decode_rows=st.num_decode_rows,
+        preemptions=st.num_preemptions,
+        occupancy=st.num_generated_tokens / (st.num_decode_steps * len(batch))
+        if st.num_decode_steps
+        else 0.0,
+    )
+    return record, retired
+
+
+def make_pool(args, batch_size: int, window: int, vocab: int) -> SamplePool:
+    """The loop's sample pool over the prompt stream (unshuffled: every algorithm reads it in the same order)."""
+    prompts = RandomPrompts(10**9, args.prompt_min, args.prompt_max, vocab, args.seed)
+    return SamplePool(
+        prompts,
+        batch_size=batch_size,
+        group_size=args.group_size,
+        window=window,
+        max_response_length=args.max_length,
+        shuffle=False,
+    )
+
+
+def run_algo(
+    engine: RolloutEngine, name: str, batch_size: int, window: int, args, until: Callable
+) -> AlgoRun:
+    """Steps of one algorithm on a fresh pool over the same stream until `until(run)` says stop."""
+    pool = make_pool(args, batch_size, window, engine.spec.vocab_size)
+    run = AlgoRun(name, batch_size, window)
+    while not until(run):
+        rec, _ = rollout_step(engine, pool, args, len(run.steps))
+        run.steps.append(rec)
+        print(
+            f"  {name} B={batch_size} step {rec.step}: {rec.seconds:.1f} s, {rec.completed} completed "
+            f"({rec.completed_tokens} tokens), {rec.continuations} continuations, occupancy "
+            f"{rec.occupancy:.2f}, prefill {rec.prefill_tokens}",
+            flush=True,
+        )
+    return run
+
+
+def build_engine(args, cfg: dict, device: torch.device, dtype: torch.dtype) -> RolloutEngine:
+    config = RolloutConfig(
+        max_model_len=args.prompt_max + args.max_length,
+        max_batch_size=max(args.batch_sizes),
+        kv_cache_tokens=args.kv_tokens,
+        kv_cache_fraction=args.kv_cache_fraction,
+        max_step_tokens=args.max_step_tokens,
+        cuda_graphs=not args.eager,
+    )
+    return RolloutEngine.from_config(cfg, device=device, dtype=dtype, config=config, seed=args.seed)
+
+
+def rollout_part(args) -> dict:
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    cfg = TINY_MOE if args.tiny else MOE_16L
+    engine = build_engine(args, cfg, device, dtype)
+    results: dict = {
+        "args": vars(args),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "model": {
+            k: cfg[k] for k in ("num_hidden_layers", "hidden_size", "num_experts", "num_experts_per_tok")
+        },
+        "kv_positions": engine.cache_plan.num_positions,
+        "runs": [],
+    }
+    if args.warmup_tokens:
+        warm = argparse.Namespace(
+            seed=args.seed,
+            max_batch_size=max(args.batch_sizes),
+            prompt_min=args.prompt_min,
+            prompt_max=args.prompt_max,
+            warmup_tokens=args.warmup_tokens,
+        )
+        results["warmup"] = warm_up(engine, warm, cfg["vocab_size"])
+    for batch_size in args.batch_sizes:
+        ppo = section(results, engine, "ppo", batch_size, args.max_length, args, ppo_done(args))
+        save(results, args.json)
+        for window in args.windows:
+            section(results, engine, f"tppo W={window}", batch_size, window, args, tppo_done(args, ppo))
+            save(results, args.json)
+    del engine
+    free_memory()
+    print_rollout(results)
+    return results
+
+
+def ppo_done(args) -> Callable[[AlgoRun], bool]:
+    return lambda run: len(run.steps) >= args.ppo_steps
+
+
+def tppo_done(args, ppo: AlgoRun | None) -> Callable[[AlgoRun], bool]:
+    """Stop once T-PPO has completed as many responses as PPO did (or after --max-tppo-steps)."""
+    goal = ppo.totals()["completed"] if ppo else 0
+    return lambda run: (
+        len(run.steps) >= args.max_tppo_steps or (goal and sum(s.completed for s in run.steps) >= goal)
+    )
+
+
+def section(results: dict, *run_args) -> AlgoRun | None:
+    """`run_algo(*run_args)`; an error is recorded in the JSON and the others still run."""
+    try:
+        run = run_algo(*run_args)
+    except Exception as err:
+        traceback.print_exc()
+        results["runs"].append({"error": f"{type(err).__name__}: {err}"})
+        return None
+    results["runs"].append(
+        {
+            "name": run.name,
+            "batch_size": run.batch_size,
+            "window": run.window,
+            "totals": run.totals(),
+            "steps": [asdict(s) for s in run.steps],
+        }
+    )
+    return run
+
+
+def print_rollout(results: dict) -> None:
+    print(
+        "\n| B | algorithm | steps | wall s | completed | completed tok/s | vs ppo | occupancy | prefill tokens "
+        "| s / completed |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    base: dict[int, float] = {}
+    for r in results["runs"]:
+        if "error" in r:
+            print(f"| | error: {r['error'][:100]} | | | | | | | | |")
+            continue
+        t = r["totals"]
+        if r["name"] == "ppo":
+            base[r["batch_size"]] = t["completed_tok_s"]
+        ratio = t["completed_tok_s"] / base[r["batch_size"]] if base.get(r["batch_size"]) else float("nan")
+        print(
+            f"| {r['batch_size']} | {r['name']} | {t['steps']} | {t['seconds']:.1f} | {t['completed']} | "
+            f"{t['completed_tok_s']:.0f} | {ratio:.2f}x | {t['occupancy']:.2f} | {t['prefill_tokens']} | "
+            f"{t['s_per_completed']:.3f} |"
+        )
+
+
+def save(results: dict, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(results, indent=2, default=str))
+
+
+# --------------------------------------------------------------------------------------------- end to end
+PHASES = ("rollout", "values", "critic_update", "old_logprobs", "policy_update", "weight_sync", "offload")
+TINY_E2E = dict(
+    seeds=[0],
+    steps=4,
+    overrides=["algo.warm_start_steps=10", "algo.critic_warmup_steps=1"],
+    smooth=2,
+)
+
+
+def variant_overrides(args) -> dict[str, list[str]]:
+    """The three algorithms as recipe overrides on the same experiment (command-line overrides win over it)."""
+    length = f"algo.max_response_length={args.max_length}"
+    return {
+        "tppo": [length, f"algo.window={args.window}"],
+        "ppo": ["algo=ppo", length, f"algo.window={args.max_length}"],
+        "tppo_wmax": [length, f"algo.window={args.max_length}"],
+    }
+
+
+def train(name: str, seed: int, overrides: list[str], args) -> Path:
+    """One training run, as a user launches it; a run directory that exists is resumed by the loop itself."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipes.train",
+        f"experiment={args.experiment}",
+        f"run.name={name}",
+        f"run.output_dir={args.run_root}",
+        f"run.seed={seed}",
+        f"run.num_steps={args.steps}",
+        "logging=disabled",
+        *args.overrides,
+        *overrides,
+    ]
+    print(" ".join(cmd[2:]), flush=True)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{name}: recipes.train exited {done.returncode}:\n{done.stderr[-2000:]}")
+    return Path(args.run_root) / name / "metrics.jsonl"
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def smoothed(values: list[float | None], width: int) -> list[float]:
+    """Trailing mean over the known values among the last `width` (a step where no response finished has
+    none); NaN until one is known."""
+    out = []
+    for i in range(len(values)):
+        known = [v for v in values[max(0, i + 1 - width) : i + 1] if v is not None]
+        out.append(statistics.fmean(known) if known else (out[-1] if out else math.nan))
+    return out
+
+
+def curve(rows: list[dict], smooth: int) -> dict:
+    """Wall clock (cumulative RL step seconds), smoothed reward and occupancy per step, phase shares."""
+    step_s = [r["perf/step_s"] for r in rows]
+    total = sum(step_s)
+    return {
+        "wall_s": list(np.cumsum(step_s)),
+        "reward": smoothed([r.get("rollout/reward_mean") for r in rows], smooth),
+        "reward_raw": [r.get("rollout/reward_mean", math.nan) for r in rows],
+        "occupancy": [occupancy(r) for r in rows],
+        "step_s_mean": total / len(rows),
+        "phase_share": {p: sum(r.get(f"perf/{p}_s", 0.0) for r in rows) / total for p in PHASES},
+    }
+
+
+def occupancy(row: dict) -> float:
+    """Decode rows per engine step over the step's batch (its finished plus continuing items), as in the
+    rollout part (the loop's own rollout/decode_occupancy divides by the engine's max_seqs instead)."""
+    batch = row.get("rollout/finished", 0) + row.get("rollout/pool_num_continuing", 0)
+    return row.get("rollout/decode_rows_mean", math.nan) / batch if batch else math.nan
+
+
+def time_to(c: dict, threshold: float) -> float | None:
+    """Wall clock at the first step whose smoothed reward reaches the threshold (None: never)."""
+    return next((t for t, r in zip(c["wall_s"], c["reward"]) if r >= threshold), None)
+
+
+def reward_at(c: dict, wall_s: float) -> float:
+    """Smoothed reward of the last step finished by `wall_s`."""
+    done = [r for t, r in zip(c["wall_s"], c["reward"]) if t <= wall_s + 1e-9]
+    return done[-1] if done else float("nan")
+
+
+def spread(values: list[float | None]) -> dict:
+    """Median, min and max over seeds; a run that never reached the threshold counts as infinite."""
+    xs = [math.inf if v is None else v for v in values]
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "values": xs}
+
+
+def e2e_part(args) -> dict:
+    variants = {k: v for k, v in variant_overrides(args).items() if k in args.algos}
+    curves: dict[str, list[dict]] = {name: [] for name in variants}
+    for seed in args.seeds:
+        for name, overrides in variants.items():
+            rows = read_metrics(train(f"{name}_s{seed}", seed, overrides, args))
+            curves[name].append(curve(rows, args.smooth) | {"seed": seed})
+    equal_wall = min(c["wall_s"][-1] for cs in curves.values() for c in cs)
+    results: dict = {"args": vars(args), "equal_wall_s": equal_wall, "algos": {}}
+    for name, cs in curves.items():
+        results["algos"][name] = {
+            "time_to_threshold_s": spread([time_to(c, args.threshold) for c in cs]),
+            "reward_at_equal_wall": spread([reward_at(c, equal_wall) for c in cs]),
+            "final_reward": spread([c["reward"][-1] for c in cs]),
+            "step_s": spread([c["step_s_mean"] for c in cs]),
+            "occupancy": spread([statistics.fmean(c["occupancy"]) for c in cs]),
+            "phase_share": {p: statistics.median(c["phase_share"][p] for c in cs) for p in PHASES},
+            "curves": cs,
+        }
+    if {"ppo", "tppo_wmax"} <= set(curves):
+        results["tppo_wmax_vs_ppo_max_reward_diff"] = max(
+            float(np.nanmax(np.abs(np.subtract(p["reward_raw"], t["reward_raw"]))))
+            for p, t in zip(curves["ppo"], curves["tppo_wmax"])
+        )
+    save(results, args.json)
+    plot_e2e(results, Path(args.plots))
+    print_e2e(results)
+    return results
+
+
+def plot_e2e(results: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    for key, ylabel, x_wall in (
+        ("reward", "reward (smoothed)", True),
+        ("occupancy", "decode occupancy", False),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for i, (name, algo) in enumerate(results["algos"].items()):
+            for c in algo["curves"]:
+                xs = c["wall_s"] if x_wall else range(1, len(c[key]) + 1)
+                ax.plot(xs, c[key], color=f"C{i}", alpha=0.8, label=f"{name} seed {c['seed']}")
+        ax.set_xlabel("wall clock of RL steps (s)" if x_wall else "step")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / f"{key}.png", dpi=120)
+        plt.close(fig)
+
+
+def print_e2e(results: dict) -> None:
+    def fmt(s: dict) -> str:
+        return f"{s['median']:.3g} [{s['min']:.3g}, {s['max']:.3g}]"
+
+    print(
+        f"\n| algorithm | time to reward {results['args']['threshold']} (s) | reward at {results['equal_wall_s']:.0f} s "
+        "| final reward | step s | occupancy | rollout / critic / policy / sync share |\n|---|---|---|---|---|---|---|"
+    )
+    for name, a in results["algos"].items():
+        sh = a["phase_share"]
+        shares = " / ".join(
+            f"{sh[k]:.2f}" for k in ("rollout", "critic_update", "policy_update", "weight_sync")
+        )
+        print(
+            f"| {name} | {fmt(a['time_to_threshold_s'])} | {fmt(a['reward_at_equal_wall'])} | "
+            f"{fmt(a['final_reward'])} | {fmt(a['step_s'])} | {fmt(a['occupancy'])} | {shares} |"
+        )
+    if "tppo_wmax_vs_ppo_max_reward_diff" in results:
+        print(
+            f"tppo W=L_max vs ppo: max reward difference per step {results['tppo_wmax_vs_ppo_max_reward_diff']:.3g}"
+        )
+
+
+# --------------------------------------------------------------------------------------------- CLI
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def add_rollout_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch-sizes", type=int_list, default=[64, 128], help="B, items per step")
+    ap.add_argument("--max-length", type=int, default=16384, help="L_max, response tokens")
+    ap.add_argument("--windows", type=int_list, default=[4096, 8192], help="T-PPO windows W")
+    ap.add_argument("--group-size", type=int, default=8, help="G, responses per prompt")
+    ap.add_argument("--prompt-min", type=int, default=256)
+    ap.add_argument("--prompt-max", type=int, default=1024)
+    ap.add_argument("--median-frac", type=float, default=0.25, help="median target length / L_max")
+    ap.add_argument("--sigma", type=float, default=0.7, help="of the target lengths' lognormal")
+    ap.add_argument("--ppo-steps", type=int, default=3)
+    ap.add_argument("--max-tppo-steps", type=int, default=40)
+    ap.add_argument("--warmup-tokens", type=int, default=64, help="new tokens per warm-up request (0: none)")
+    ap.add_argument("--kv-tokens", type=int, default=0, help="KV cache positions; 0 sizes it from memory")
+    ap.add_argument("--kv-cache-fraction", type=float, default=0.8, help="of free memory, when --kv-tokens 0")
+    ap.add_argument("--max-step-tokens", type=int, default=2048)
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default="bench/out/tppo_vs_ppo_rollout.json")
+
+
+def add_e2e_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--experiment", default="default", help="the recipe's experiment (configs/experiment)")
+    ap.add_argument("--algos", type=lambda t: t.split(","), default=["tppo", "ppo", "tppo_wmax"])
+    ap.add_argument("--seeds", type=int_list, default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=100, help="RL steps per run")
+    ap.add_argument("--window", type=int, default=16, help="W of the tppo run")
+    ap.add_argument("--max-length", type=int, default=64, help="L_max of every run")
+    ap.add_argument("--threshold", type=float, default=-0.2, help="reward whose wall clock is reported")
+    ap.add_argument("--smooth", type=int, default=10, help="steps of the trailing mean of the reward")
+    ap.add_argument("--overrides", nargs="*", default=[], help="more recipe overrides for every run")
+    ap.add_argument("--run-root", default="runs/tppo_vs_ppo")
+    ap.add_argument("--plots", default="bench/out/tppo_vs_ppo")
+    ap.add_argument("--json", default="bench/out/tppo_vs_ppo_e2e.json")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="part", required=True)
+    rollout_ap = sub.add_parser("rollout", help="the engine alone: synchronous PPO vs T-PPO windows")
+    rollout_ap.add_argument("--tiny", action="store_true", help="toy model on the CPU, few steps")
+    add_rollout_args(rollout_ap)
+    e2e_ap = sub.add_parser("e2e", help="the training loop: T-PPO vs synchronous PPO vs T-PPO with W = L_max")
+    e2e_ap.add_argument("--tiny", action="store_true", help="one seed, a few steps (CPU smoke run)")
+    add_e2e_args(e2e_ap)
+    argv = sys.argv[1:] if argv is None else argv
+    if ap.parse_known_args(argv)[0].tiny:  # toy defaults; flags given on the command line still win
+        rollout_ap.set_defaults(**TINY_ROLLOUT)
+        e2e_ap.set_defaults(**TINY_E2E)
+    args = ap.parse_args(argv)
+    if args.part == "rollout":
+        rollout_part(args)
+    else:
+        e2e_part(args)
+
+
+if __name__ == "__main__":
+    main()
