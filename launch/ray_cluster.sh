@@ -24,8 +24,10 @@
 #   RAY_CLUSTER_TERM_GRACE_S  seconds each Ray process gets to stop after scancel/timeout (default 3; Slurm
 #                        kills what is left KillWait seconds after its SIGTERM, so the logs are best effort then)
 #   RAY_CLUSTER_START_ATTEMPTS  tries of `ray start` per node (default 3)
-#   RAY_AUTH_MODE        Ray's token authentication: "disabled" unless set; to require a token, set it to "token"
-#                        with a token file every node can read (RAY_AUTH_TOKEN_PATH)
+#   RAY_AUTH_MODE        Ray's token authentication. Unset (the default): on, with a fresh token for this job in
+#                        $RAY_CLUSTER_LOG_DIR/ray_auth_token (mode 600, removed at teardown); "token" with your own
+#                        RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN; "disabled" turns it off (Ray's servers listen on every
+#                        interface of the node: anyone who reaches them could run code as you)
 
 _rc_log() { echo "[ray_cluster $(date +%H:%M:%S) $(hostname -s)] $*"; }
 _rc_err() { echo "[ray_cluster $(date +%H:%M:%S) $(hostname -s)] error: $*" >&2; }
@@ -247,13 +249,22 @@ _rc_start_head() {
   done
 }
 
+# Every process of the job reads the token through the environment: srun passes it to the workers, and the
+# recipe inherits it from this shell.
+_rc_auth() {
+  [ -n "${RAY_AUTH_MODE:-}" ] && return 0
+  local token_file="$RAY_CLUSTER_LOG_DIR/ray_auth_token"
+  (umask 077 && _rc_python -c 'import secrets; print(secrets.token_hex(32))' >"$token_file") || return 1
+  export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$token_file _RC_TOKEN_FILE=$token_file
+  _rc_log "Ray token authentication on (token in $token_file)"
+}
+
 ray_cluster_up() {
   if [ -z "${SLURM_JOB_ID:-}" ]; then
     _rc_err "not inside a Slurm job (SLURM_JOB_ID is unset)"
     return 1
   fi
   export RAY_CLUSTER_LOG_DIR=${RAY_CLUSTER_LOG_DIR:-$PWD/ray-$SLURM_JOB_ID}
-  export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
   mkdir -p "$RAY_CLUSTER_LOG_DIR"
   local wait_s=${RAY_CLUSTER_WAIT_S:-300} here nodes cpus ip port client_port agent_port gpus
   here=${SLURMD_NODENAME:-$(hostname -s)}
@@ -265,6 +276,7 @@ ray_cluster_up() {
   trap ray_cluster_down EXIT
   trap 'ray_cluster_down "${RAY_CLUSTER_TERM_GRACE_S:-3}"; exit 143' TERM
   trap 'ray_cluster_down "${RAY_CLUSTER_TERM_GRACE_S:-3}"; exit 130' INT
+  _rc_auth || { _rc_err "cannot write the Ray token to $RAY_CLUSTER_LOG_DIR"; return 1; }
 
   local head_cpus=${cpus[0]:-1} i attempt
   for i in "${!nodes[@]}"; do [ "${nodes[$i]}" = "$here" ] && head_cpus=${cpus[$i]:-$head_cpus}; done
@@ -308,6 +320,7 @@ ray_cluster_up() {
 # Stop the workers, then the head, giving each $1 seconds (default 30) to drain; a signal-triggered teardown
 # passes a short grace, because Slurm kills everything KillWait seconds after its SIGTERM.
 ray_cluster_down() {
+  [ -n "${_RC_TOKEN_FILE:-}" ] && rm -f "$_RC_TOKEN_FILE"  # the running processes hold the token already
   [ -n "${_RC_HEAD_PID:-}" ] || return 0
   local grace=${1:-30}
   _rc_log "stopping the Ray cluster"

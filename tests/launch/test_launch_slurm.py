@@ -175,6 +175,9 @@ def test_sbatch_job_runs_the_recipe_on_its_ray_cluster(slurm, tmp_path):
     assert "recipes.train " in launcher_log and "the recipe exited with status 0" in launcher_log
     assert "stopping the Ray cluster" in launcher_log and "leftover" not in launcher_log
     assert "Ray runtime started" in (job_dir / "ray-head.log").read_text()
+    # the job's own token: required by its cluster, readable by its user only while it ran, gone afterwards
+    assert f"Ray token authentication on (token in {job_dir}/ray_auth_token)" in launcher_log
+    assert not (job_dir / "ray_auth_token").exists()
     assert (job_dir / "ray-logs" / HOST / "raylet.out").is_file()
     check_recipe_outputs(driver_log, outputs, "slurm_sbatch", TRAIN)
     assert not Path(f"/tmp/ray-{job_id}").exists()

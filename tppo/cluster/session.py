@@ -1,15 +1,20 @@
 """Ray bootstrap: a local instance sized for small machines, or joining an existing cluster by address.
 
 Local mode keeps the object store small (it is shared memory: the default of 30% of RAM is wasteful on
-24 GiB machines), turns Ray's token authentication off for the loopback-only cluster, and leaves the
-dashboard off. Joining (`ray_address`: "auto" inside an sbatch allocation or host:port) never changes the
+24 GiB machines), leaves the dashboard off, and requires Ray's token authentication with a fresh token that
+lives only in the environment of this process tree (Ray 2.60's servers listen on every interface of the machine
+whatever address the node advertises, so the token is what keeps other users of the network out; Ray's own
+default would store a token readable by every local user in ~/.ray/auth_token). RAY_AUTH_MODE set by the user
+is respected, "disabled" included. Joining (`ray_address`: "auto" inside an sbatch allocation or host:port) never changes the
 cluster's resources. Only a session that started Ray shuts it down.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import socket
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -63,7 +68,7 @@ def ray_session(cfg: ClusterConfig) -> Iterator[RayInfo]:
         yield _info(ray, started_here=False)
         return
     if not cfg.ray_address:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        local_auth_token()
     else:
         _check_reachable(cfg.ray_address)
     kwargs = ray_init_kwargs(cfg)
@@ -77,6 +82,23 @@ def ray_session(cfg: ClusterConfig) -> Iterator[RayInfo]:
         yield _info(ray, started_here=True, address=getattr(context, "address_info", {}).get("address", ""))
     finally:
         ray.shutdown()
+
+
+def local_auth_token() -> None:
+    """Token authentication for a Ray instance this process starts, unless the user chose a mode or a token.
+
+    The token goes into this process's environment, which Ray's processes and actors inherit. Ray reads its
+    authentication settings once, at import: when it was imported before, they are reloaded here so the driver
+    presents the token too (without that it would retry against its own cluster for ever)."""
+    mode = os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if mode != "token" or os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    if "ray" in sys.modules:
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:

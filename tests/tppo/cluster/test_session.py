@@ -37,3 +37,50 @@ def test_joining_a_missing_cluster_is_a_clear_error():
         ray_session(ClusterConfig(ray_address="127.0.0.1:1")),
     ):
         pass
+
+
+JOIN = """
+import os, sys
+import ray
+try:
+    ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+    print("joined", flush=True)
+    ray.shutdown()
+except BaseException as err:
+    print("refused", type(err).__name__, flush=True)
+"""
+
+
+def _join(address: str, env: dict, timeout: float) -> str:
+    """What a separate process gets when it tries to join the cluster: 'joined', 'refused ...' or '' when it is
+    still waiting at the timeout (Ray retries an unauthenticated connection instead of failing)."""
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", JOIN, address], env=env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return ""
+    return done.stdout.strip()
+
+
+@pytest.mark.dist
+def test_local_cluster_admits_only_holders_of_its_token(monkeypatch):
+    import os
+
+    import ray
+
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    with ray_session(ClusterConfig(object_store_mb=100, cpus_per_node=1)):
+        assert os.environ["RAY_AUTH_MODE"] == "token" and len(os.environ["RAY_AUTH_TOKEN"]) == 64
+        address = ray.get_runtime_context().gcs_address
+        assert ray.get(ray.remote(lambda: os.environ.get("RAY_AUTH_MODE")).remote()) == "token"
+        outsider = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+        assert not _join(address, outsider | {"RAY_AUTH_MODE": "disabled"}, timeout=15).startswith("joined")
+        assert not _join(
+            address, outsider | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}, 15
+        ).startswith("joined")
+        assert _join(address, dict(os.environ), timeout=60) == "joined"  # the same token: admitted
