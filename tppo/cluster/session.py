@@ -88,12 +88,12 @@ def local_auth_token() -> None:
     """Token authentication for a Ray instance this process starts, unless the user chose a mode or a token.
 
     The token goes into this process's environment, which Ray's processes and actors inherit. Ray reads its
-    authentication settings once, at import: when it was imported before, they are reloaded here so the driver
-    presents the token too (without that it would retry against its own cluster for ever)."""
+    authentication settings once, at import: when it was imported before, they are reloaded here from the
+    environment, so the driver presents the token the new cluster expects (a stale one would leave the driver
+    retrying and its actors unreachable)."""
     mode = os.environ.setdefault("RAY_AUTH_MODE", "token")
-    if mode != "token" or os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
-        return
-    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    if mode == "token" and not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     if "ray" in sys.modules:
         from ray._raylet import AuthenticationTokenLoader, Config
 
