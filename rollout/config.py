@@ -29,6 +29,12 @@ class RolloutConfig:
     max_step_tokens: int = spec(
         2048, ge=1, help="tokens per engine step: one per decoding sequence, prompt chunks fill the rest"
     )
+    expert_kernel: str = spec(
+        "auto",
+        choices=("auto", "grouped", "padded", "persistent"),
+        help="expert MLP path: grouped GEMMs; padded bmm for decode batches (auto on CUDA); persistent: the "
+        "tile-scheduled Triton kernel (rollout.kernels, decode tiles first; CUDA or TRITON_INTERPRET=1)",
+    )
     cuda_graphs: bool = True
     cuda_graph_max_tokens: int = spec(4096, ge=1, help="steps of at most this many tokens run as CUDA graphs")
     trace_steps: bool = spec(False, help="record every step in last_stats.steps (benchmarks)")

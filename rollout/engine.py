@@ -181,7 +181,7 @@ class RolloutEngine:
         self._weight_map = WeightMap(spec, weights)
         self.cache_plan = self._plan_cache()
         self.cache = KVCache(spec, self.cache_plan, device, self.dtype)
-        self.model = MoeDecoder(spec, weights, self.cache)
+        self.model = MoeDecoder(spec, weights, self.cache, self.config.expert_kernel)
         self.runner = self.new_runner(self.config.cuda_graphs)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         self.route_dtype = np.uint8 if spec.num_experts <= 256 else np.int16

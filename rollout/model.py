@@ -8,7 +8,8 @@ The experts run as two `torch._grouped_mm` calls over the routed (token, expert)
 sort on int16 expert ids: a quarter of the radix passes of int64 keys, the same order); GPU batches with 8-64
 pairs per expert instead run dense `torch.bmm` over a fixed number of rows per expert plus grouped GEMMs over
 the pairs that do not fit (`padded_rows`, `_padded_ffn`, `padded_capacity`). The weighted sum over the k experts
-of a token is one batched matmul (deterministic, unlike an atomic index_add).
+of a token is one batched matmul (deterministic, unlike an atomic index_add). `expert_kernel="persistent"` runs
+the experts through the tile-scheduled Triton kernel of `rollout.kernels` instead (decode rows' tiles first).
 Every function is free of host synchronisation (no `.item()`, no data-dependent shapes).
 
 Attention reads K/V through the block table (`rollout.paged_attention`: Triton kernels on CUDA, an exact
@@ -30,6 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from rollout.kernels.persistent_moe import persistent_moe, triton_runs_on
 from rollout.kv_cache import KVCache
 from rollout.model_spec import MoeModelSpec
 from rollout.paged_attention import AttentionBatch, paged_attention
@@ -71,7 +73,9 @@ def apply_rope(x_TND: torch.Tensor, cos_TD: torch.Tensor, signed_sin_TD: torch.T
 class MoeDecoder:
     """The model's forward pass; holds no state besides weights, cache and constant tables."""
 
-    def __init__(self, spec: MoeModelSpec, weights: ModelWeights, cache: KVCache) -> None:
+    def __init__(
+        self, spec: MoeModelSpec, weights: ModelWeights, cache: KVCache, expert_kernel: str = "auto"
+    ) -> None:
         self.spec = spec
         self.weights = weights
         self.cache = cache
@@ -81,7 +85,14 @@ class MoeDecoder:
         self.experts_E = torch.arange(spec.num_experts, device=device, dtype=self.sort_dtype)
         # Decode batches use the padded expert path on a GPU (see _padded_ffn); tests may set another rule.
         cuda = device.type == "cuda"
-        self.capacity_for = padded_capacity if cuda else no_padding
+        if expert_kernel == "persistent" and not triton_runs_on(device):
+            raise ValueError(
+                "rollout.expert_kernel=persistent needs a CUDA device (or TRITON_INTERPRET=1 to run the Triton "
+                f"interpreter on the CPU); this engine runs on {device}"
+            )
+        self.persistent = expert_kernel == "persistent"
+        padded = expert_kernel == "padded" or (expert_kernel == "auto" and cuda)
+        self.capacity_for = padded_capacity if padded else no_padding
         glue = compiled_or_eager if cuda else (lambda fn: fn)
         self._swiglu, self._padded_rows, self._padded_combine = map(
             glue, (swiglu, padded_rows, padded_combine)
@@ -129,9 +140,21 @@ class MoeDecoder:
         weights_TK: torch.Tensor,
         ids_TK: torch.Tensor,
         residual_TH: torch.Tensor,
+        num_decode: int = 0,
     ) -> torch.Tensor:
         """residual + sum_k w_tk down_e(silu(gate_e h_t) * up_e h_t), e = ids_tk; the k-sum runs over the pairs in
-        token order (deterministic, unlike index_add)."""
+        token order (deterministic, unlike index_add). The first `num_decode` tokens are decode rows (the
+        persistent kernel schedules their tiles first)."""
+        if self.persistent:
+            return persistent_moe(
+                h_TH,
+                weights_TK,
+                ids_TK,
+                layer.gate_up_EFH,
+                layer.down_EHF,
+                residual_TH,
+                num_decode=num_decode,
+            )
         num_tokens, k = ids_TK.shape
         capacity = self.capacity_for(num_tokens * k, self.spec.num_experts)
         if capacity is not None:
@@ -172,7 +195,7 @@ class MoeDecoder:
         return y_PH, self._ffn(layer, rows.x_OH, rows.over_ends_E)
 
     def _mlp(
-        self, layer: LayerWeights, h_TH: torch.Tensor, residual_TH: torch.Tensor
+        self, layer: LayerWeights, h_TH: torch.Tensor, residual_TH: torch.Tensor, num_decode: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """residual + MLP(h) and the routed experts (None for a dense layer)."""
         if layer.router_EH is None:
@@ -180,7 +203,7 @@ class MoeDecoder:
             gu = F.linear(h_TH, layer.dense_gate_up_FH)
             return torch.addmm(residual_TH, F.silu(gu[:, :f]) * gu[:, f:], layer.dense_down_HF.t()), None
         weights_TK, ids_TK = self.route(layer, h_TH)
-        return self.experts(layer, h_TH, weights_TK, ids_TK, residual_TH), ids_TK
+        return self.experts(layer, h_TH, weights_TK, ids_TK, residual_TH, num_decode), ids_TK
 
     def _layer(
         self,
@@ -192,13 +215,14 @@ class MoeDecoder:
         v_XMD: torch.Tensor,
         cache_rows_T: torch.Tensor,
         attend,
+        num_decode: int,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decoder layer: attention (K/V written at their cache rows first, then `attend(q)`) and the MLP."""
         q_TND, k_TMD, v_TMD = self._qkv(layer, self._norm(x_TH, layer.input_norm_H), cos_TD, sin_TD)
         k_XMD.index_copy_(0, cache_rows_T, k_TMD)
         v_XMD.index_copy_(0, cache_rows_T, v_TMD)
         x_TH = self._out_proj(layer, attend(q_TND), x_TH)
-        return self._mlp(layer, self._norm(x_TH, layer.post_norm_H), x_TH)
+        return self._mlp(layer, self._norm(x_TH, layer.post_norm_H), x_TH, num_decode)
 
     # ----------------------------------------------------------------------------------------- step
     def forward(self, step: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,7 +243,17 @@ class MoeDecoder:
                 )
                 return out_TND.reshape(q_TND.shape[0], s.q_size)
 
-            x_TH, ids_TK = self._layer(layer, x_TH, cos_TD, sin_TD, k_XMD, v_XMD, step.cache_rows_T, attend)
+            x_TH, ids_TK = self._layer(
+                layer,
+                x_TH,
+                cos_TD,
+                sin_TD,
+                k_XMD,
+                v_XMD,
+                step.cache_rows_T,
+                attend,
+                step.attention.num_decode,
+            )
             if ids_TK is not None:
                 ids.append(ids_TK)
         h_SH = self._norm(x_TH[step.sample_S], self.weights.final_norm_H)

@@ -195,7 +195,7 @@ def paged_attention_reference(
 if triton is not None:
 
     @triton.jit
-    def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    def dot_fp32(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         """a @ b accumulated in fp32; UPCAST (the interpreter: its dot multiplies the raw bits of bf16) first
         widens the operands, which changes no value: the products of bf16 or fp16 numbers are exact in fp32."""
         if UPCAST:
@@ -276,14 +276,14 @@ if triton is not None:
             kv_mask = key_ok[:, None] & d_ok[None, :]
             k_ND = tl.load(k_head + row_N[:, None] * stride_kx + offs_d[None, :], mask=kv_mask, other=0.0)
             v_ND = tl.load(v_head + row_N[:, None] * stride_vx + offs_d[None, :], mask=kv_mask, other=0.0)
-            s_GN = _dot(q_GD, tl.trans(k_ND), PRECISION, UPCAST) * qk_scale
+            s_GN = dot_fp32(q_GD, tl.trans(k_ND), PRECISION, UPCAST) * qk_scale
             s_GN = tl.where(key_ok[None, :], s_GN, float("-inf"))
             # each tile holds >= 1 valid key, so new_max is finite and the rescale never sees -inf - -inf
             new_max = tl.maximum(max_G, tl.max(s_GN, 1))
             alpha = tl.exp2(max_G - new_max)
             p_GN = tl.exp2(s_GN - new_max[:, None])
             sum_G = sum_G * alpha + tl.sum(p_GN, 1)
-            acc_GD = acc_GD * alpha[:, None] + _dot(p_GN.to(v_ND.dtype), v_ND, PRECISION, UPCAST)
+            acc_GD = acc_GD * alpha[:, None] + dot_fp32(p_GN.to(v_ND.dtype), v_ND, PRECISION, UPCAST)
             max_G = new_max
 
         if NUM_SPLITS == 1:
@@ -405,14 +405,14 @@ if triton is not None:
             kv_mask = (key_N < hi)[:, None] & d_ok[None, :]
             k_ND = tl.load(k_head + row_N[:, None] * stride_kx + offs_d[None, :], mask=kv_mask, other=0.0)
             v_ND = tl.load(v_head + row_N[:, None] * stride_vx + offs_d[None, :], mask=kv_mask, other=0.0)
-            s_MN = _dot(q_MD, tl.trans(k_ND), PRECISION, UPCAST) * qk_scale
+            s_MN = dot_fp32(q_MD, tl.trans(k_ND), PRECISION, UPCAST) * qk_scale
             # key 0 is in the first tile and kept by every row, so every row's max is finite from then on
             s_MN = tl.where(key_N[None, :] <= qpos_M[:, None], s_MN, float("-inf"))
             new_max = tl.maximum(max_M, tl.max(s_MN, 1))
             alpha = tl.exp2(max_M - new_max)
             p_MN = tl.exp2(s_MN - new_max[:, None])
             sum_M = sum_M * alpha + tl.sum(p_MN, 1)
-            acc_MD = acc_MD * alpha[:, None] + _dot(p_MN.to(v_ND.dtype), v_ND, PRECISION, UPCAST)
+            acc_MD = acc_MD * alpha[:, None] + dot_fp32(p_MN.to(v_ND.dtype), v_ND, PRECISION, UPCAST)
             max_M = new_max
 
         out_MD = acc_MD / sum_M[:, None]

@@ -104,3 +104,35 @@ def hf_logprobs_and_routes(
     gen = torch.tensor(tokens[num_prompt:])
     lp = logprobs[num_prompt - 1 : len(tokens) - 1].gather(1, gen[:, None]).squeeze(1)
     return lp.numpy(), torch.stack(picks, dim=1).numpy()
+
+
+def interpreter_results(*argv: str, timeout: float = 300) -> dict:
+    """Run `python *argv` with TRITON_INTERPRET=1 (it must be set before triton is imported, hence a subprocess)
+    and return the JSON of its last stdout line. Skips without Triton, and on CUDA machines, where the compiled
+    kernels are tested instead (the GPU machine's Triton build also fails inside its own interpreter: a numpy
+    scalar conversion in interpreter.py, which says nothing about the kernels)."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+    import torch
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not importable: the kernels cannot run, not even in its interpreter")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the compiled-kernel tests cover the kernels")
+    repo = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

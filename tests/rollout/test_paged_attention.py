@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from rollout_testlib import interpreter_results
 
 from rollout.paged_attention import (
     AttentionBatch,
@@ -254,22 +252,7 @@ def run_interpreted() -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict]:
-    if not HAS_TRITON:
-        pytest.skip("triton is not importable: the kernels cannot run, not even in its interpreter")
-    if torch.cuda.is_available():
-        # The compiled kernels are tested below; the GPU machine's Triton build fails inside its own interpreter
-        # (a numpy scalar conversion in interpreter.py), which says nothing about the kernels.
-        pytest.skip("CUDA present: the compiled-kernel tests cover the kernels")
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreter_results(__file__)
 
 
 @pytest.mark.parametrize("name", list(INTERPRETED))

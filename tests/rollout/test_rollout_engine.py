@@ -4,12 +4,13 @@ Qwen3-MoE and Mixtral checkpoints saved as HF folders."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import numpy as np
 import pytest
 import torch
-from rollout_testlib import hf_greedy, hf_logprobs_and_routes, save_tiny_model
+from rollout_testlib import hf_greedy, hf_logprobs_and_routes, interpreter_results, save_tiny_model
 
 from rollout import RolloutEngine, SamplingParams
 from rollout.config import RolloutConfig
@@ -306,3 +307,41 @@ def test_missing_checkpoint_tensor_is_an_error(qwen_ckpt, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"lacks 1 tensors.*experts\.5\.down_proj"):
         RolloutEngine.from_pretrained(tmp_path, config=small_config())
+
+
+ENGINE_PERSISTENT = """
+import json, sys
+import numpy as np
+from rollout import RolloutEngine, SamplingParams
+from rollout.config import RolloutConfig
+
+# Steps of at most 6 tokens: decode rows and prompt chunks share steps, so the kernel sees both phases.
+outs = {}
+for kernel in ("grouped", "persistent"):
+    config = RolloutConfig(
+        max_model_len=64, max_batch_size=4, kv_cache_tokens=4 * 64, max_step_tokens=6, expert_kernel=kernel
+    )
+    engine = RolloutEngine.from_pretrained(sys.argv[1], config=config)
+    outs[kernel] = engine.generate(json.loads(sys.argv[2]), SamplingParams(max_new_tokens=8, temperature=0))
+    mixed = engine.last_stats.num_mixed_steps
+pairs = list(zip(outs["grouped"], outs["persistent"]))
+print(json.dumps({
+    "tokens_equal": all(a.token_ids == b.token_ids for a, b in pairs),
+    "routes_equal": all(np.array_equal(a.routed_experts, b.routed_experts) for a, b in pairs),
+    "logprob_diff": max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in pairs),
+    "mixed_steps": mixed,
+}))
+"""
+
+
+def test_persistent_expert_kernel_equals_grouped_in_the_engine(qwen_ckpt):
+    """rollout.expert_kernel=persistent (the Triton kernel, interpreted on the CPU) gives the grouped path's tokens,
+    routes and log-probs (fp32) through mixed prefill + decode steps."""
+    result = interpreter_results("-c", ENGINE_PERSISTENT, str(qwen_ckpt), json.dumps(PROMPTS), timeout=600)
+    assert result["tokens_equal"] and result["routes_equal"] and result["mixed_steps"] > 0, result
+    assert result["logprob_diff"] < 1e-5, result
+
+
+def test_persistent_expert_kernel_needs_cuda_or_the_interpreter(qwen_ckpt):
+    with pytest.raises(ValueError, match=r"rollout\.expert_kernel=persistent needs a CUDA device"):
+        RolloutEngine.from_pretrained(qwen_ckpt, config=small_config(expert_kernel="persistent"))

@@ -1,0 +1,793 @@
+"""The routed experts of one engine step as persistent, tile-scheduled Triton kernels (ExpertPlex, first
+increment): a tile table built on the device, decode tiles first, and a preemption flag that stops prefill work
+between tiles so that a later launch can resume it.
+
+Token t of the step (hidden h_t) is routed to K experts e = ids[t, k] with router weights w[t, k]; expert e holds
+gate_up_e [2F, H] (rows [0, F) gate, [F, 2F) up) and down_e [H, F]:
+
+    out_t = residual_t + sum_k w[t, k] y_(t,k)        y_(t,k) = down_e (silu(gate_e h_t) * up_e h_t)
+
+Pairs. The R = T K routed pairs are numbered in token order, r = t K + k. Tokens [0, num_decode) are the decode
+segment (phase 0), the rest the prefill segment (phase 1). One stable sort of the key phase * E + expert lists the
+pairs decode-first, grouped by expert within a phase, in token order within a group (`TileTable.order_R`): group
+g = phase E + e of m_g pairs occupies sorted positions [s_g, s_g + m_g), s_g = sum_{g' < g} m_g'.
+
+Tiles. Phase p cuts each group into row tiles of at most M_p pairs (M_0 = block_m_decode, small: decode is bound
+by reading the weights; M_1 = block_m_prefill, large: prefill reuses each weight tile over more rows):
+
+    x_moe(p) = sum_e ceil(m_(p,e) / M_p)          tiles of phase p
+    c_g = sum_{g' <= g} ceil(m_g' / M_(g' // E))  the inclusive prefix sum over the groups, decode groups first
+
+and tile q (0 <= q < c_(2E-1)) belongs to the group g with c_(g-1) <= q < c_g; its local index j = q - c_(g-1)
+gives rows [s_g + j M, s_g + min((j+1) M, m_g)) of expert g mod E. Decode tiles are q < x_moe(0), prefill tiles
+the x_moe(1) after them. The table has a static capacity Q, the worst case over every routing with the step's
+shape: a phase of P pairs has at most floor((P + min(E, P) (M_p - 1)) / M_p) tiles (`max_tiles`); entries past
+c_(2E-1) are unused (rows 0). Everything is built with torch ops on the device, with no host synchronisation.
+
+Phases. The down projection needs all F columns of a pair's SwiGLU output, so the experts run as two persistent
+launches over the same tiles: A computes act = silu(x gate_e^T) * (x up_e^T) for a tile's rows (x gathered from
+h through order_R) into act_RF (sorted order), B computes act down_e^T into y_RH (token order). A work item is
+(tile q, column block n) of F (phase A) or H (phase B) in BLOCK_N columns, numbered w = q NB + n, so decode items
+come first in both. Each is a [M, BLOCK_N] fp32 accumulator over the reduction (H in A, F in B) in BLOCK_K steps;
+loads and stores are in the input dtype. The grid is fixed (one program per SM; `num_programs`), sized without
+reading the device, and program i walks items w = i, i + P, i + 2P, ... while w < (total tiles) NB, the total read
+from device memory. Nothing accumulates across programs: the k-sum is a torch fp32 sum over y_RH in token order,
+rounded once (as `rollout.model.padded_combine`), so results do not depend on the schedule.
+
+Preemption and resume. With `preempt_flag` (int32, one element in device memory), a program reads the flag
+before each prefill item (one scalar atomic read, broadcast to all of its threads: they agree even while the flag
+changes); once it has seen it nonzero it takes no more prefill items (decode items always run, unread). Such a
+launch tracks its work: every item done stores 1 in done_a_W / done_b_W, and a B item runs only if all NB column
+blocks of its tile's A items are done (were the flag cleared between A and B, B still never reads an act row that
+A did not write: it leaves that tile undone). `MoeRun.undone` (int32 on the device) counts the prefill tiles whose
+B items are not all done. Passing that run as `resume` relaunches both phases over the same tiles and buffers,
+skipping done items: a launch with the flag plus its resume give the same output, bit for bit, as one launch
+without it (every item computes the same numbers whichever program runs it, whenever). The output's prefill rows
+of a preempted run hold residual + the pairs done so far (undone pairs contribute 0) until resumed.
+
+Everything is graph-capturable: grids and buffer sizes come from shapes and Python ints, counts are read on the
+device, and a preempted run's done masks and buffers are device tensors a later captured launch can resume.
+
+Legend: T tokens, H hidden, K top-k, R = T K pairs, E experts, F expert FFN width, G = 2E (phase, expert) groups,
+Q tile-table capacity, W work items (Q x NB column blocks), M rows per tile (M_0 decode, M_1 prefill).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
+    triton = tl = None
+
+__all__ = [
+    "MoeRun",
+    "TileTable",
+    "build_tiles",
+    "max_tiles",
+    "moe_reference",
+    "persistent_moe",
+    "persistent_moe_run",
+    "tile_counts",
+    "triton_runs_on",
+]
+
+BLOCK_M_DECODE = 16  # the smallest tl.dot operand: decode groups hold few pairs each
+BLOCK_M_PREFILL = 64
+BLOCK_N = 64
+BLOCK_K = 64
+LAUNCH = {"num_warps": 4, "num_stages": 3}
+INTERPRETER_PROGRAMS = 4  # the default grid under TRITON_INTERPRET=1 (CPU tensors)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ------------------------------------------------------------------------------------------------ reference
+def moe_reference(
+    h_TH: torch.Tensor,
+    weights_TK: torch.Tensor,
+    ids_TK: torch.Tensor,
+    gate_up_EFH: torch.Tensor,
+    down_EHF: torch.Tensor,
+    residual_TH: torch.Tensor,
+) -> torch.Tensor:
+    """residual + sum_k w_tk down_e(silu(gate_e h_t) * up_e h_t), e = ids_tk, all in fp32 and rounded once to
+    residual's dtype. Plain torch, one GEMM pair per expert in use (host-synchronising: a test oracle)."""
+    t, k = ids_TK.shape
+    e, f2, _ = gate_up_EFH.shape
+    f = f2 // 2
+    ids_R = ids_TK.reshape(-1).long()
+    if ids_R.numel() and (int(ids_R.min()) < 0 or int(ids_R.max()) >= e):
+        raise ValueError(f"ids_TK holds expert ids outside [0, {e})")
+    token_R = torch.arange(t, device=h_TH.device).repeat_interleave(k)
+    h32_TH = h_TH.float()
+    y_RH = torch.zeros((t * k, h_TH.shape[1]), dtype=torch.float32, device=h_TH.device)
+    for expert in ids_R.unique().tolist():
+        sel_S = (ids_R == expert).nonzero().squeeze(1)
+        gate_up_SF = h32_TH[token_R[sel_S]] @ gate_up_EFH[expert].float().t()
+        act_SF = F.silu(gate_up_SF[:, :f]) * gate_up_SF[:, f:]
+        y_RH[sel_S] = act_SF @ down_EHF[expert].float().t()
+    mixed_TH = (weights_TK.float()[..., None] * y_RH.view(t, k, -1)).sum(1)
+    return (residual_TH.float() + mixed_TH).to(residual_TH.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- tile table
+class TileTable(NamedTuple):
+    """The tiles of one step (device tensors of static shape; see the module docstring for the formulas)."""
+
+    order_R: torch.Tensor  # int64 [R]: token-order pair index t K + k at each sorted position
+    counts_2E: torch.Tensor  # int32 [2, E]: m_(p,e), pairs of expert e in phase p (0 decode, 1 prefill)
+    expert_Q: torch.Tensor  # int32 [Q]: the tile's expert (0 for unused entries)
+    start_Q: torch.Tensor  # int32 [Q]: the tile's first sorted position (0 for unused entries)
+    rows_Q: torch.Tensor  # int32 [Q]: pairs in the tile, 1..M_p (0 for unused entries)
+    ends_2: torch.Tensor  # int32 [2]: (x_moe(0), x_moe(0) + x_moe(1)): end of the decode tiles, of all tiles
+    num_decode: int
+    top_k: int
+    block_m_decode: int
+    block_m_prefill: int
+
+
+def max_tiles(
+    num_tokens: int, top_k: int, num_experts: int, num_decode: int, block_m_decode: int, block_m_prefill: int
+) -> int:
+    """Q, the most tiles any routing of the step can need: sum_e ceil(m_e / M) <= (P + n (M - 1)) / M for P pairs
+    spread over n <= min(E, P) experts in use, per phase."""
+
+    def bound(pairs: int, block_m: int) -> int:
+        return (pairs + min(num_experts, pairs) * (block_m - 1)) // block_m
+
+    return bound(num_decode * top_k, block_m_decode) + bound(
+        (num_tokens - num_decode) * top_k, block_m_prefill
+    )
+
+
+def _check_block(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 16 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= 16 (a tl.dot operand), got {value!r}")
+
+
+def _check_num_decode(num_decode: int, num_tokens: int) -> None:
+    if not isinstance(num_decode, int) or not 0 <= num_decode <= num_tokens:
+        raise ValueError(
+            f"num_decode must be an int in [0, {num_tokens}] (the step's tokens), got {num_decode!r}"
+        )
+
+
+def build_tiles(
+    ids_TK: torch.Tensor,
+    num_decode: int,
+    num_experts: int,
+    block_m_decode: int = BLOCK_M_DECODE,
+    block_m_prefill: int = BLOCK_M_PREFILL,
+) -> TileTable:
+    """The tile table of a step whose first `num_decode` tokens decode: per phase p and expert e the pair count
+    m_(p,e), x_moe(p) = sum_e ceil(m_(p,e) / M_p) tiles, decode tiles first, each tile's (expert, first sorted
+    position, rows) from the prefix sums c_g. Torch ops only, no host synchronisation; Q = `max_tiles(...)`.
+    Expert ids must lie in [0, num_experts) (not checked: that would read the device)."""
+    if ids_TK.dim() != 2 or ids_TK.dtype.is_floating_point or ids_TK.dtype == torch.bool:
+        raise ValueError(
+            f"ids_TK must be a [T, K] tensor of integer expert ids, got {ids_TK.dtype} {tuple(ids_TK.shape)}"
+        )
+    t, k = ids_TK.shape
+    _check_num_decode(num_decode, t)
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    _check_block("block_m_decode", block_m_decode)
+    _check_block("block_m_prefill", block_m_prefill)
+    e, g, device = num_experts, 2 * num_experts, ids_TK.device
+    q = max_tiles(t, k, e, num_decode, block_m_decode, block_m_prefill)
+    # Keys phase * E + expert on the narrowest dtype that holds them: fewer radix passes, the same stable order.
+    key_dtype = torch.int16 if g <= 2**15 else torch.int32
+    key_R = ids_TK.reshape(-1).to(key_dtype, copy=True)
+    key_R[num_decode * k :] += e
+    sorted_R, order_R = torch.sort(key_R, stable=True)
+    ends_G = torch.searchsorted(
+        sorted_R, torch.arange(g, device=device, dtype=key_dtype), right=True, out_int32=True
+    )
+    counts_G = torch.diff(ends_G, prepend=ends_G.new_zeros(1))
+    block_G = torch.full((g,), block_m_prefill, dtype=torch.int32, device=device)
+    block_G[:e] = block_m_decode
+    tiles_G = (counts_G + block_G - 1) // block_G
+    tile_ends_G = torch.cumsum(tiles_G, 0, dtype=torch.int32)
+    q_Q = torch.arange(q, device=device, dtype=torch.int32)
+    group_Q = torch.searchsorted(tile_ends_G, q_Q, right=True)  # the group g with c_(g-1) <= q < c_g, or G
+    used_Q = group_Q < g
+    group_Q = group_Q.clamp(max=g - 1)
+    block_Q = block_G[group_Q]
+    local_Q = q_Q - (tile_ends_G - tiles_G)[group_Q]
+    start_Q = (ends_G - counts_G)[group_Q] + local_Q * block_Q
+    rows_Q = torch.minimum(counts_G[group_Q] - local_Q * block_Q, block_Q)
+    zero = torch.zeros((), dtype=torch.int32, device=device)
+    return TileTable(
+        order_R=order_R,
+        counts_2E=counts_G.view(2, e),
+        expert_Q=torch.where(used_Q, group_Q % e, 0).to(torch.int32),
+        start_Q=torch.where(used_Q, start_Q, zero),
+        rows_Q=torch.where(used_Q, rows_Q, zero),
+        ends_2=torch.stack((tile_ends_G[e - 1], tile_ends_G[g - 1])),
+        num_decode=num_decode,
+        top_k=k,
+        block_m_decode=block_m_decode,
+        block_m_prefill=block_m_prefill,
+    )
+
+
+def tile_counts(tiles: TileTable) -> torch.Tensor:
+    """int32 [2] on the device: (x_moe(decode), x_moe(prefill)), the tiles of each phase."""
+    return torch.stack((tiles.ends_2[0], tiles.ends_2[1] - tiles.ends_2[0]))
+
+
+# ------------------------------------------------------------------------------------------------- kernels
+if triton is not None:
+    from rollout.paged_attention import dot_fp32  # a @ b in fp32, also right under the interpreter
+
+    @triton.jit
+    def _item_runs(w, dec_items, stopped, done_ptr, TRACK: tl.constexpr):
+        """Whether item w runs: a decode item always, a prefill item unless the program has seen the flag; under
+        TRACK not if an earlier launch did it."""
+        run = (w < dec_items) | (stopped == 0)
+        if TRACK:
+            run = run & (tl.load(done_ptr + w) == 0)
+        return run
+
+    @triton.jit
+    def _seen_flag(w, dec_items, stopped, flag_ptr, HAS_FLAG: tl.constexpr):
+        """The program's sticky stop bit, updated from the flag read before item w (prefill items, until it is
+        set). The read is a scalar atomic x + 0 (relaxed): one thread reads the flag where every SM sees the same
+        value (Triton lowers it to a single-thread relaxed load) and broadcasts it through shared memory, so all
+        threads of the program agree even while the flag changes; a plain load by every thread could split them
+        around a write, and a split program deadlocks in its dot."""
+        if HAS_FLAG:  # noqa: SIM102 - a constexpr test, then a runtime one (Triton mixes no `and` of the two)
+            if (w >= dec_items) & (stopped == 0):
+                stopped = (tl.atomic_add(flag_ptr, 0, sem="relaxed") != 0).to(tl.int32)
+        return stopped
+
+    @triton.jit
+    def _gate_up_tile(
+        h_ptr,
+        gate_up_ptr,
+        act_ptr,
+        order_ptr,
+        expert,
+        start,
+        rows,
+        col_block,
+        H,
+        F,
+        TOP_K,
+        stride_ht,
+        stride_ge,
+        stride_gf,
+        stride_ar,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """act[start + i, n] = silu(gate_e . h_t) * (up_e . h_t) for the tile's rows i and columns n of the block."""
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < rows
+        n_ok = offs_n < F
+        pair_M = tl.load(order_ptr + start + offs_m, mask=m_ok, other=0).to(tl.int64)
+        x_rows = h_ptr + (pair_M // TOP_K)[:, None] * stride_ht
+        gate_cols = gate_up_ptr + expert.to(tl.int64) * stride_ge + offs_n.to(tl.int64)[None, :] * stride_gf
+        up_cols = gate_cols + F * stride_gf
+        gate_MN = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        up_MN = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k_K = k0 + offs_k
+            k_ok = k_K < H
+            x_MK = tl.load(x_rows + k_K[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            kn_ok = k_ok[:, None] & n_ok[None, :]
+            gate_KN = tl.load(gate_cols + k_K[:, None], mask=kn_ok, other=0.0)
+            up_KN = tl.load(up_cols + k_K[:, None], mask=kn_ok, other=0.0)
+            gate_MN += dot_fp32(x_MK, gate_KN, PRECISION, UPCAST)
+            up_MN += dot_fp32(x_MK, up_KN, PRECISION, UPCAST)
+        act_MN = gate_MN * tl.sigmoid(gate_MN) * up_MN
+        act_rows = act_ptr + (start + offs_m).to(tl.int64)[:, None] * stride_ar
+        tl.store(
+            act_rows + offs_n[None, :],
+            act_MN.to(act_ptr.dtype.element_ty),
+            mask=m_ok[:, None] & n_ok[None, :],
+        )
+
+    @triton.jit
+    def _down_tile(
+        act_ptr,
+        down_ptr,
+        y_ptr,
+        order_ptr,
+        expert,
+        start,
+        rows,
+        col_block,
+        H,
+        F,
+        stride_ar,
+        stride_de,
+        stride_dh,
+        stride_yr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """y[pair, n] = down_e[n] . act[start + i] for the tile's rows i (pair = order[start + i]) and columns n."""
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < rows
+        n_ok = offs_n < H
+        act_rows = act_ptr + (start + offs_m).to(tl.int64)[:, None] * stride_ar
+        down_cols = down_ptr + expert.to(tl.int64) * stride_de + offs_n.to(tl.int64)[None, :] * stride_dh
+        acc_MN = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, F, BLOCK_K):
+            k_K = k0 + offs_k
+            k_ok = k_K < F
+            act_MK = tl.load(act_rows + k_K[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            down_KN = tl.load(down_cols + k_K[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_MN += dot_fp32(act_MK, down_KN, PRECISION, UPCAST)
+        pair_M = tl.load(order_ptr + start + offs_m, mask=m_ok, other=0).to(tl.int64)
+        y_rows = y_ptr + pair_M[:, None] * stride_yr
+        tl.store(
+            y_rows + offs_n[None, :], acc_MN.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :]
+        )
+
+    @triton.jit
+    def _gate_up_kernel(
+        h_ptr,
+        gate_up_ptr,
+        act_ptr,
+        order_ptr,
+        expert_ptr,
+        start_ptr,
+        rows_ptr,
+        ends_ptr,
+        flag_ptr,
+        done_ptr,
+        H,
+        F,
+        TOP_K,
+        stride_ht,
+        stride_ge,
+        stride_gf,
+        stride_ar,
+        BLOCK_M_DECODE: tl.constexpr,
+        BLOCK_M_PREFILL: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        HAS_FLAG: tl.constexpr,
+        TRACK: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """Phase A, persistent: items w = q NB + n (tile q, block n of F's columns) from program_id step grid."""
+        pid = tl.program_id(0)
+        num_col_blocks = tl.cdiv(F, BLOCK_N)
+        dec_items = tl.load(ends_ptr) * num_col_blocks
+        num_items = tl.load(ends_ptr + 1) * num_col_blocks
+        stopped = pid * 0
+        for w in range(pid, num_items, tl.num_programs(0)):
+            stopped = _seen_flag(w, dec_items, stopped, flag_ptr, HAS_FLAG)
+            run = _item_runs(w, dec_items, stopped, done_ptr, TRACK)
+            if run:
+                q = w // num_col_blocks
+                col_block = w % num_col_blocks
+                expert = tl.load(expert_ptr + q)
+                start = tl.load(start_ptr + q)
+                rows = tl.load(rows_ptr + q)
+                if w < dec_items:
+                    _gate_up_tile(
+                        h_ptr, gate_up_ptr, act_ptr, order_ptr, expert, start, rows, col_block, H, F, TOP_K,
+                        stride_ht, stride_ge, stride_gf, stride_ar,
+                        BLOCK_M_DECODE, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                    )  # fmt: skip
+                else:
+                    _gate_up_tile(
+                        h_ptr, gate_up_ptr, act_ptr, order_ptr, expert, start, rows, col_block, H, F, TOP_K,
+                        stride_ht, stride_ge, stride_gf, stride_ar,
+                        BLOCK_M_PREFILL, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                    )  # fmt: skip
+                if TRACK:
+                    tl.store(done_ptr + w, 1)
+
+    @triton.jit
+    def _down_kernel(
+        act_ptr,
+        down_ptr,
+        y_ptr,
+        order_ptr,
+        expert_ptr,
+        start_ptr,
+        rows_ptr,
+        ends_ptr,
+        flag_ptr,
+        done_ptr,
+        done_a_ptr,
+        H,
+        F,
+        stride_ar,
+        stride_de,
+        stride_dh,
+        stride_yr,
+        BLOCK_M_DECODE: tl.constexpr,
+        BLOCK_M_PREFILL: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_NB_A: tl.constexpr,
+        HAS_FLAG: tl.constexpr,
+        TRACK: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """Phase B, persistent: items w = q NB + n (tile q, block n of H's columns). With a flag, an item runs
+        only once all of its tile's phase-A items are done."""
+        pid = tl.program_id(0)
+        num_col_blocks = tl.cdiv(H, BLOCK_N)
+        num_col_blocks_a = tl.cdiv(F, BLOCK_N)
+        dec_items = tl.load(ends_ptr) * num_col_blocks
+        num_items = tl.load(ends_ptr + 1) * num_col_blocks
+        offs_a = tl.arange(0, BLOCK_NB_A)
+        stopped = pid * 0
+        for w in range(pid, num_items, tl.num_programs(0)):
+            stopped = _seen_flag(w, dec_items, stopped, flag_ptr, HAS_FLAG)
+            q = w // num_col_blocks
+            run = _item_runs(w, dec_items, stopped, done_ptr, TRACK)
+            if HAS_FLAG:
+                done_a = tl.load(
+                    done_a_ptr + q * num_col_blocks_a + offs_a, mask=offs_a < num_col_blocks_a, other=1
+                )
+                run = run & (tl.min(done_a, 0) != 0)
+            if run:
+                col_block = w % num_col_blocks
+                expert = tl.load(expert_ptr + q)
+                start = tl.load(start_ptr + q)
+                rows = tl.load(rows_ptr + q)
+                if w < dec_items:
+                    _down_tile(
+                        act_ptr, down_ptr, y_ptr, order_ptr, expert, start, rows, col_block, H, F,
+                        stride_ar, stride_de, stride_dh, stride_yr,
+                        BLOCK_M_DECODE, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                    )  # fmt: skip
+                else:
+                    _down_tile(
+                        act_ptr, down_ptr, y_ptr, order_ptr, expert, start, rows, col_block, H, F,
+                        stride_ar, stride_de, stride_dh, stride_yr,
+                        BLOCK_M_PREFILL, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                    )  # fmt: skip
+                if TRACK:
+                    tl.store(done_ptr + w, 1)
+
+
+# ------------------------------------------------------------------------------------------------- wrapper
+class MoeRun(NamedTuple):
+    """One launch's output and everything a resume needs (device tensors)."""
+
+    out_TH: torch.Tensor  # residual + the k-sum, residual's dtype (prefill rows partial if preempted)
+    tiles: TileTable
+    act_RF: torch.Tensor  # SwiGLU outputs in sorted order, the input dtype (rows of undone tiles undefined)
+    y_RH: torch.Tensor  # per-pair expert outputs in token order, the input dtype (0 where not computed)
+    done_a_W: torch.Tensor | None  # int32 [Q NB_A]: 1 where the phase-A item is done; None if not tracked
+    done_b_W: torch.Tensor | None  # int32 [Q NB_B], likewise for phase B
+    undone: torch.Tensor  # int32 scalar: prefill tiles whose output is not complete (0 if not tracked)
+    block_n: int
+    block_k: int
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _interpreted() -> bool:
+    return triton is not None and type(_gate_up_kernel).__name__ == "InterpretedFunction"
+
+
+def triton_runs_on(device: torch.device | str) -> bool:
+    """Whether the kernels can run on tensors of `device`: a CUDA device with Triton importable, or the CPU when
+    this process imported Triton with TRITON_INTERPRET=1 (the interpreter)."""
+    device = torch.device(device)
+    if triton is None:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and _interpreted())
+
+
+def _check_inputs(
+    h_TH: torch.Tensor,
+    weights_TK: torch.Tensor,
+    ids_TK: torch.Tensor,
+    gate_up_EFH: torch.Tensor,
+    down_EHF: torch.Tensor,
+    residual_TH: torch.Tensor,
+    preempt_flag: torch.Tensor | None,
+    num_programs: int | None,
+) -> None:
+    if h_TH.dim() != 2 or h_TH.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"h_TH must be a [T, H] fp32/bf16/fp16 tensor, got {h_TH.dtype} {tuple(h_TH.shape)}")
+    t, h = h_TH.shape
+    if h_TH.stride(1) != 1:
+        raise ValueError(f"h_TH needs a contiguous last dimension (stride 1), got strides {h_TH.stride()}")
+    if residual_TH.shape != h_TH.shape or residual_TH.dtype != h_TH.dtype:
+        raise ValueError(
+            f"residual_TH must match h_TH ({h_TH.dtype} {tuple(h_TH.shape)}), got {residual_TH.dtype} "
+            f"{tuple(residual_TH.shape)}"
+        )
+    if weights_TK.dim() != 2 or weights_TK.shape[0] != t or weights_TK.dtype != torch.float32:
+        raise ValueError(
+            f"weights_TK must be a [{t}, K] fp32 tensor, got {weights_TK.dtype} {tuple(weights_TK.shape)}"
+        )
+    if ids_TK.shape != weights_TK.shape or ids_TK.dtype.is_floating_point or ids_TK.dtype == torch.bool:
+        raise ValueError(
+            f"ids_TK must be an integer tensor of weights_TK's shape {tuple(weights_TK.shape)}, got {ids_TK.dtype} "
+            f"{tuple(ids_TK.shape)}"
+        )
+    if gate_up_EFH.dim() != 3 or gate_up_EFH.shape[2] != h or gate_up_EFH.shape[1] % 2:
+        raise ValueError(f"gate_up_EFH must be [E, 2F, {h}], got {tuple(gate_up_EFH.shape)}")
+    e, f = gate_up_EFH.shape[0], gate_up_EFH.shape[1] // 2
+    if down_EHF.shape != (e, h, f):
+        raise ValueError(
+            f"down_EHF must be [{e}, {h}, {f}] (gate_up_EFH's E, H, F), got {tuple(down_EHF.shape)}"
+        )
+    for name, w in (("gate_up_EFH", gate_up_EFH), ("down_EHF", down_EHF)):
+        if w.dtype != h_TH.dtype:
+            raise ValueError(f"{name} must have h_TH's dtype {h_TH.dtype}, got {w.dtype}")
+        if w.stride(2) != 1:
+            raise ValueError(f"{name} needs a contiguous last dimension (stride 1), got strides {w.stride()}")
+    tensors = {"weights_TK": weights_TK, "ids_TK": ids_TK, "gate_up_EFH": gate_up_EFH, "down_EHF": down_EHF}
+    tensors["residual_TH"] = residual_TH
+    if preempt_flag is not None:
+        if preempt_flag.dtype != torch.int32 or preempt_flag.numel() != 1:
+            raise ValueError(
+                f"preempt_flag must be a one-element int32 tensor, got {preempt_flag.dtype} {tuple(preempt_flag.shape)}"
+            )
+        tensors["preempt_flag"] = preempt_flag
+    for name, x in tensors.items():
+        if x.device != h_TH.device:
+            raise ValueError(f"{name} is on {x.device}, h_TH on {h_TH.device}")
+    if num_programs is not None and (not isinstance(num_programs, int) or num_programs < 1):
+        raise ValueError(f"num_programs must be a positive int or None, got {num_programs!r}")
+
+
+def _undone_tiles(run: MoeRun) -> torch.Tensor:
+    """Prefill tiles not all of whose phase-B items are done (int32 scalar on the device)."""
+    tiles, done_b_W = run.tiles, run.done_b_W
+    q = tiles.rows_Q.shape[0]
+    if done_b_W is None or q == 0:
+        return torch.zeros((), dtype=torch.int32, device=tiles.ends_2.device)
+    complete_Q = done_b_W.view(q, -1).amin(1) > 0
+    q_Q = torch.arange(q, device=done_b_W.device)
+    prefill_Q = (q_Q >= tiles.ends_2[0]) & (q_Q < tiles.ends_2[1])
+    return (prefill_Q & ~complete_Q).sum(dtype=torch.int32)
+
+
+def _launch_options(run: MoeRun, x: torch.Tensor, preempt_flag: torch.Tensor | None) -> dict:
+    interpreted = x.device.type == "cpu"
+    return dict(
+        BLOCK_M_DECODE=run.tiles.block_m_decode,
+        BLOCK_M_PREFILL=run.tiles.block_m_prefill,
+        BLOCK_N=run.block_n,
+        BLOCK_K=run.block_k,
+        HAS_FLAG=preempt_flag is not None,
+        TRACK=run.done_a_W is not None,
+        # CPU tensors run only under the interpreter, whose dot is wrong for bf16: widen its operands there; fp32
+        # operands would otherwise go through TF32 (10-bit mantissa)
+        PRECISION="ieee" if interpreted or x.dtype == torch.float32 else "tf32",
+        UPCAST=interpreted,
+        **LAUNCH,
+    )
+
+
+def _table_args(run: MoeRun, preempt_flag: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    t = run.tiles
+    flag = preempt_flag if preempt_flag is not None else t.ends_2  # never read without HAS_FLAG
+    return t.order_R, t.expert_Q, t.start_Q, t.rows_Q, t.ends_2, flag
+
+
+def _launch_gate_up(
+    run: MoeRun,
+    h_TH: torch.Tensor,
+    gate_up_EFH: torch.Tensor,
+    preempt_flag: torch.Tensor | None,
+    programs: int,
+) -> None:
+    """Phase A over the run's tiles: act_RF (and done_a_W when tracked)."""
+    h, f = h_TH.shape[1], run.act_RF.shape[1]
+    items = run.tiles.rows_Q.shape[0] * triton.cdiv(f, run.block_n)
+    if not items:
+        return
+    done = run.done_a_W if run.done_a_W is not None else run.tiles.ends_2
+    _gate_up_kernel[(min(programs, items),)](
+        h_TH,
+        gate_up_EFH,
+        run.act_RF,
+        *_table_args(run, preempt_flag),
+        done,
+        h,
+        f,
+        run.tiles.top_k,
+        h_TH.stride(0),
+        gate_up_EFH.stride(0),
+        gate_up_EFH.stride(1),
+        run.act_RF.stride(0),
+        **_launch_options(run, h_TH, preempt_flag),
+    )
+
+
+def _launch_down(
+    run: MoeRun, down_EHF: torch.Tensor, preempt_flag: torch.Tensor | None, programs: int
+) -> None:
+    """Phase B over the run's tiles: y_RH (and done_b_W when tracked). With a flag, a tile's items wait for all
+    of its phase-A items."""
+    h, f = run.y_RH.shape[1], run.act_RF.shape[1]
+    items = run.tiles.rows_Q.shape[0] * triton.cdiv(h, run.block_n)
+    if not items:
+        return
+    tracked = run.done_a_W is not None
+    if preempt_flag is not None and not tracked:
+        raise ValueError("preempt_flag needs a tracked run (done masks)")
+    _down_kernel[(min(programs, items),)](
+        run.act_RF,
+        down_EHF,
+        run.y_RH,
+        *_table_args(run, preempt_flag),
+        run.done_b_W if tracked else run.tiles.ends_2,
+        run.done_a_W if tracked else run.tiles.ends_2,
+        h,
+        f,
+        run.act_RF.stride(0),
+        down_EHF.stride(0),
+        down_EHF.stride(1),
+        run.y_RH.stride(0),
+        BLOCK_NB_A=triton.next_power_of_2(triton.cdiv(f, run.block_n)),
+        **_launch_options(run, run.act_RF, preempt_flag),
+    )
+
+
+def _combine(residual_TH: torch.Tensor, weights_TK: torch.Tensor, y_RH: torch.Tensor) -> torch.Tensor:
+    """residual + sum_k w_tk y_(t,k): summed in fp32 in token order, rounded once (as padded_combine)."""
+    t, k = weights_TK.shape
+    mixed_TH = (weights_TK.float()[..., None] * y_RH.view(t, k, -1).float()).sum(1)
+    return (residual_TH.float() + mixed_TH).to(residual_TH.dtype)
+
+
+def _new_run(
+    h_TH: torch.Tensor,
+    ids_TK: torch.Tensor,
+    num_experts: int,
+    f: int,
+    num_decode: int,
+    track: bool,
+    blocks: tuple[int, int, int, int],
+) -> MoeRun:
+    """The tiles and buffers of a fresh launch (done masks only when tracked)."""
+    block_m_decode, block_m_prefill, block_n, block_k = blocks
+    tiles = build_tiles(ids_TK, num_decode, num_experts, block_m_decode, block_m_prefill)
+    r, h, q = tiles.order_R.shape[0], h_TH.shape[1], tiles.rows_Q.shape[0]
+    act_RF = torch.empty((r, f), dtype=h_TH.dtype, device=h_TH.device)
+    # a tracked run may leave pairs undone: zeros make them contribute nothing instead of stale memory
+    y_RH = (torch.zeros if track else torch.empty)((r, h), dtype=h_TH.dtype, device=h_TH.device)
+    done_a_W = done_b_W = None
+    if track:
+        done_a_W = torch.zeros(q * triton.cdiv(f, block_n), dtype=torch.int32, device=h_TH.device)
+        done_b_W = torch.zeros(q * triton.cdiv(h, block_n), dtype=torch.int32, device=h_TH.device)
+    return MoeRun(None, tiles, act_RF, y_RH, done_a_W, done_b_W, None, block_n, block_k)
+
+
+def _check_resume(resume: MoeRun, h_TH: torch.Tensor, ids_TK: torch.Tensor, f: int, num_decode: int) -> None:
+    if not isinstance(resume, MoeRun):
+        raise ValueError(f"resume must be the MoeRun of an earlier launch, got {type(resume).__name__}")
+    if resume.done_a_W is None or resume.done_b_W is None:
+        raise ValueError(
+            "resume: that run was launched without preempt_flag and is complete, nothing to resume"
+        )
+    t, k = ids_TK.shape
+    if resume.tiles.num_decode != num_decode or resume.tiles.top_k != k:
+        raise ValueError(
+            f"resume: the run had num_decode={resume.tiles.num_decode}, K={resume.tiles.top_k}; "
+            f"got num_decode={num_decode}, K={k}"
+        )
+    if resume.act_RF.shape != (t * k, f) or resume.y_RH.shape != (t * k, h_TH.shape[1]):
+        raise ValueError(
+            f"resume: the run's buffers {tuple(resume.act_RF.shape)}, {tuple(resume.y_RH.shape)} do not fit "
+            f"T={t}, K={k}, F={f}, H={h_TH.shape[1]}"
+        )
+    if resume.act_RF.dtype != h_TH.dtype or resume.act_RF.device != h_TH.device:
+        raise ValueError(
+            f"resume: the run's buffers are {resume.act_RF.dtype} on {resume.act_RF.device}, not h_TH's"
+        )
+
+
+def persistent_moe_run(
+    h_TH: torch.Tensor,
+    weights_TK: torch.Tensor,
+    ids_TK: torch.Tensor,
+    gate_up_EFH: torch.Tensor,
+    down_EHF: torch.Tensor,
+    residual_TH: torch.Tensor,
+    *,
+    num_decode: int,
+    preempt_flag: torch.Tensor | None = None,
+    resume: MoeRun | None = None,
+    num_programs: int | None = None,
+    block_m_decode: int = BLOCK_M_DECODE,
+    block_m_prefill: int = BLOCK_M_PREFILL,
+    block_n: int = BLOCK_N,
+    block_k: int = BLOCK_K,
+) -> MoeRun:
+    """The experts of a step (first `num_decode` tokens decode) as the two persistent launches; CUDA tensors, or
+    CPU tensors under TRITON_INTERPRET=1. No host synchronisation.
+
+    preempt_flag: int32, one element on the device, read before every item; nonzero stops prefill items (decode
+    items always run). Such a run is tracked (done masks), and `MoeRun.undone` counts the prefill tiles left.
+    resume: a tracked run of the same inputs and num_decode: its tiles and buffers are reused and only the items
+    it left are launched (a flag may preempt again). The buffers and done masks are updated in place (the
+    returned run shares them). Block sizes come from the run; num_programs may differ.
+    num_programs: the persistent grid, by default the SM count (CUDA) or 4 (interpreter), capped at the items."""
+    if triton is None:
+        raise RuntimeError("persistent_moe needs Triton")
+    _check_inputs(h_TH, weights_TK, ids_TK, gate_up_EFH, down_EHF, residual_TH, preempt_flag, num_programs)
+    _check_num_decode(num_decode, h_TH.shape[0])
+    e, f = gate_up_EFH.shape[0], gate_up_EFH.shape[1] // 2
+    if resume is not None:
+        _check_resume(resume, h_TH, ids_TK, f, num_decode)
+    else:
+        blocks = (block_m_decode, block_m_prefill, block_n, block_k)
+        for name, value in zip(("block_m_decode", "block_m_prefill", "block_n", "block_k"), blocks):
+            _check_block(name, value)
+    if h_TH.device.type == "cpu" and not _interpreted():
+        raise ValueError(
+            "h_TH is on the CPU: the kernels run there only under TRITON_INTERPRET=1, set before import"
+        )
+    if resume is None:
+        run = _new_run(h_TH, ids_TK, e, f, num_decode, preempt_flag is not None, blocks)
+    else:
+        run = resume
+    if num_programs is None:
+        num_programs = INTERPRETER_PROGRAMS if h_TH.device.type == "cpu" else _num_sms(h_TH.device.index or 0)
+    _launch_gate_up(run, h_TH, gate_up_EFH, preempt_flag, num_programs)
+    _launch_down(run, down_EHF, preempt_flag, num_programs)
+    return run._replace(out_TH=_combine(residual_TH, weights_TK, run.y_RH), undone=_undone_tiles(run))
+
+
+def persistent_moe(
+    h_TH: torch.Tensor,
+    weights_TK: torch.Tensor,
+    ids_TK: torch.Tensor,
+    gate_up_EFH: torch.Tensor,
+    down_EHF: torch.Tensor,
+    residual_TH: torch.Tensor,
+    *,
+    num_decode: int,
+    preempt_flag: torch.Tensor | None = None,
+    num_programs: int | None = None,
+    block_m_decode: int = BLOCK_M_DECODE,
+    block_m_prefill: int = BLOCK_M_PREFILL,
+    block_n: int = BLOCK_N,
+    block_k: int = BLOCK_K,
+) -> torch.Tensor:
+    """out_TH = residual + sum_k w_tk y_(t,k) (residual's dtype): `persistent_moe_run(...).out_TH`. With a flag
+    set, prefill rows hold partial sums; call `persistent_moe_run` to keep the run and resume it."""
+    return persistent_moe_run(
+        h_TH,
+        weights_TK,
+        ids_TK,
+        gate_up_EFH,
+        down_EHF,
+        residual_TH,
+        num_decode=num_decode,
+        preempt_flag=preempt_flag,
+        num_programs=num_programs,
+        block_m_decode=block_m_decode,
+        block_m_prefill=block_m_prefill,
+        block_n=block_n,
+        block_k=block_k,
+    ).out_TH

@@ -1,0 +1,540 @@
+"""Persistent MoE kernels: the torch reference against a per-pair Python loop and against the model's expert path;
+the tile table against counts computed with numpy; the Triton kernels against the reference, run by Triton's
+interpreter on CPU tensors in a subprocess (TRITON_INTERPRET=1 must be set before triton is imported), and
+compiled on CUDA (the same cases, a bf16 step of realistic shape, a captured CUDA graph).
+
+Preemption: a flag set before the launch leaves exactly the prefill tiles undone and a resume completes them bit
+for bit; a flag that the launch itself raises (a view of its own done mask) stops phase A, then phase B, midway;
+a flag cleared between the phases (the private per-phase launches) must not let phase B read rows phase A never
+wrote (those rows are NaN here).
+
+Run as a script (what the interpreter tests do) it prints one JSON line: per case, the largest difference between
+the kernels and the reference and the preemption facts the tests check.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from rollout_testlib import interpreter_results
+
+from rollout.kernels.persistent_moe import (  # private helpers: the per-phase launches, for one test
+    MoeRun,
+    _interpreted,
+    _launch_down,
+    _launch_gate_up,
+    _undone_tiles,
+    build_tiles,
+    max_tiles,
+    moe_reference,
+    persistent_moe,
+    persistent_moe_run,
+    tile_counts,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+# ------------------------------------------------------------------------------------------------ inputs
+BASE = dict(T=16, H=40, F=24, E=6, K=2, num_decode=6, routing="topk", dtype="float32", blocks={})
+SMALL_BLOCKS = dict(block_n=16, block_k=16)  # several masked column blocks and reduction steps at H, F <= 64
+
+
+def make_inputs(spec: dict, device: str = "cpu", seed: int = 0) -> dict:
+    """h, router weights, ids, expert weights and residual of a step. Routings: topk (distinct experts per token,
+    softmax weights), hot (expert 1 in every token's first slot), idle (experts 1 and E - 2 only: the rest get no
+    pair), dup (ids drawn with replacement: repeats within a token too)."""
+    s = {**BASE, **spec}
+    t, h, f, e, k = s["T"], s["H"], s["F"], s["E"], s["K"]
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, s["dtype"])
+    if s.get("strided_h"):
+        h_TH = torch.randn(t, h + 8, generator=gen)[:, 3 : 3 + h]  # rows of a wider tensor: stride(0) = H + 8
+    else:
+        h_TH = torch.randn(t, h, generator=gen)
+    logits_TE = torch.randn(t, e, generator=gen)
+    routing = s["routing"]
+    if routing == "topk":
+        weights_TK, ids_TK = torch.topk(torch.softmax(logits_TE, -1), k, dim=-1)
+    elif routing == "hot":
+        logits_TE[:, 1] = 100.0
+        weights_TK, ids_TK = torch.topk(torch.softmax(logits_TE, -1), k, dim=-1)
+    elif routing == "idle":
+        ids_TK = torch.tensor([1, e - 2])[torch.randint(0, 2, (t, k), generator=gen)]
+        weights_TK = torch.rand(t, k, generator=gen)
+    elif routing == "dup":
+        ids_TK = torch.randint(0, e, (t, k), generator=gen)
+        weights_TK = torch.rand(t, k, generator=gen)
+    else:
+        raise ValueError(routing)
+    if s.get("int32_ids"):
+        ids_TK = ids_TK.int()
+    inputs = dict(
+        h_TH=h_TH,
+        weights_TK=weights_TK.float(),
+        ids_TK=ids_TK,
+        gate_up_EFH=torch.randn(e, 2 * f, h, generator=gen) * h**-0.5,
+        down_EHF=torch.randn(e, h, f, generator=gen) * f**-0.5,
+        residual_TH=torch.randn(t, h, generator=gen),
+    )
+    return {
+        name: x.to(device=device, dtype=dtype)
+        if x.is_floating_point() and name != "weights_TK"
+        else x.to(device)
+        for name, x in inputs.items()
+    }
+
+
+def spec_of(spec: dict) -> tuple[dict, int, dict]:
+    s = {**BASE, **spec}
+    return s, s["num_decode"], s["blocks"]
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max(1, |want|) (relative where bf16's rounding step grows with the value); 0 if empty."""
+    if got.numel() == 0:
+        return 0.0
+    got, want = got.double().cpu(), want.double().cpu()
+    return ((got - want).abs() / want.abs().clamp(min=1)).max().item()
+
+
+def fp32_reference(inputs: dict) -> torch.Tensor:
+    """The reference on fp32 copies of the inputs: for bf16 an oracle that rounds only once, at the end."""
+    return moe_reference(**{name: x.float() if x.is_floating_point() else x for name, x in inputs.items()})
+
+
+# ------------------------------------------------------------------------------- the reference and the model
+def loop_reference(inputs: dict) -> torch.Tensor:
+    """out_t = r_t + sum_k w_tk down_e(silu(gate_e h_t) * up_e h_t), one pair at a time in float64."""
+    h_TH, res_TH = inputs["h_TH"].double(), inputs["residual_TH"].double()
+    gate_up, down = inputs["gate_up_EFH"].double(), inputs["down_EHF"].double()
+    f = down.shape[2]
+    out_TH = res_TH.clone()
+    for t in range(h_TH.shape[0]):
+        for k in range(inputs["ids_TK"].shape[1]):
+            e = int(inputs["ids_TK"][t, k])
+            gate_F, up_F = gate_up[e, :f] @ h_TH[t], gate_up[e, f:] @ h_TH[t]
+            act_F = gate_F / (1 + torch.exp(-gate_F)) * up_F
+            out_TH[t] += float(inputs["weights_TK"][t, k]) * (down[e] @ act_F)
+    return out_TH
+
+
+@pytest.mark.parametrize("routing", ["topk", "hot", "idle", "dup"])
+def test_reference_equals_per_pair_loop(routing):
+    inputs = make_inputs(dict(T=9, num_decode=4, routing=routing, K=3))
+    out_TH = moe_reference(**inputs)
+    assert out_TH.dtype == torch.float32 and out_TH.shape == inputs["h_TH"].shape
+    torch.testing.assert_close(out_TH.double(), loop_reference(inputs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("capacity", [None, 2], ids=["grouped", "padded"])
+def test_reference_equals_the_models_expert_path(capacity):
+    """MoeDecoder.experts (grouped GEMMs, or the padded path with 2 rows per expert and overflow) in fp32."""
+    from rollout.model import MoeDecoder, padded_combine, padded_rows, swiglu
+
+    inputs = make_inputs(dict(T=11, E=5, K=2))
+    e = inputs["gate_up_EFH"].shape[0]
+    decoder = MoeDecoder.__new__(MoeDecoder)  # only the expert path's attributes: no cache, no other weights
+    decoder.spec = SimpleNamespace(num_experts=e)
+    decoder.persistent = False
+    decoder.sort_dtype = torch.int16
+    decoder.experts_E = torch.arange(e, dtype=torch.int16)
+    decoder.capacity_for = lambda pairs, experts: capacity
+    decoder._swiglu, decoder._padded_rows, decoder._padded_combine = swiglu, padded_rows, padded_combine
+    layer = SimpleNamespace(gate_up_EFH=inputs["gate_up_EFH"], down_EHF=inputs["down_EHF"])
+    model_TH = decoder.experts(
+        layer, inputs["h_TH"], inputs["weights_TK"], inputs["ids_TK"], inputs["residual_TH"]
+    )
+    torch.testing.assert_close(moe_reference(**inputs), model_TH, atol=1e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------- tile table
+def expected_tiles(ids: np.ndarray, num_decode: int, e: int, block_m: tuple[int, int]) -> tuple[list, list]:
+    """Per phase the pair counts per expert (np.bincount) and sum_e ceil(m_e / M_p)."""
+    counts, tiles = [], []
+    for phase, rows in enumerate((ids[:num_decode], ids[num_decode:])):
+        m_E = np.bincount(rows.reshape(-1), minlength=e)
+        counts.append(m_E.tolist())
+        tiles.append(int(sum(math.ceil(m / block_m[phase]) for m in m_E)))
+    return counts, tiles
+
+
+TABLE_CASES = {
+    "mixed-topk": (dict(T=24, num_decode=9, E=8, K=3), (16, 64)),
+    "mixed-small-prefill-block": (dict(T=24, num_decode=9, E=4, K=3), (16, 16)),
+    "hot-decode": (dict(T=24, num_decode=20, E=4, routing="hot"), (16, 64)),
+    "hot-prefill": (dict(T=24, num_decode=2, E=4, routing="hot"), (16, 16)),
+    "idle": (dict(T=24, num_decode=12, E=8, routing="idle"), (16, 32)),
+    "decode-only": (dict(T=24, num_decode=24, E=3, K=3, routing="dup"), (16, 64)),
+    "prefill-only": (dict(T=24, num_decode=0, E=3, K=3, routing="dup"), (16, 16)),
+    "one-token": (dict(T=1, num_decode=1), (16, 64)),
+}
+
+
+@pytest.mark.parametrize("name", list(TABLE_CASES))
+def test_tile_table(name):
+    spec, block_m = TABLE_CASES[name]
+    s, nd, _ = spec_of(spec)
+    ids_TK = make_inputs(spec)["ids_TK"]
+    k, e = ids_TK.shape[1], s["E"]
+    tiles = build_tiles(ids_TK, nd, e, *block_m)
+    counts, (dec, pre) = expected_tiles(ids_TK.numpy(), nd, e, block_m)
+    assert tiles.counts_2E.tolist() == counts
+    assert tile_counts(tiles).tolist() == [dec, pre] and tiles.ends_2.tolist() == [dec, dec + pre]
+    q = max_tiles(s["T"], k, e, nd, *block_m)
+    assert tiles.rows_Q.shape == (q,) and dec + pre <= q
+    assert (tiles.rows_Q[dec + pre :] == 0).all()
+
+    order = tiles.order_R.tolist()
+    covered = []
+    for i in range(dec + pre):
+        rows, start, expert = int(tiles.rows_Q[i]), int(tiles.start_Q[i]), int(tiles.expert_Q[i])
+        decode = i < dec
+        assert 1 <= rows <= block_m[0 if decode else 1]
+        pairs = order[start : start + rows]
+        assert pairs == sorted(pairs)  # stable: token order within a tile
+        assert all(int(ids_TK.reshape(-1)[p]) == expert for p in pairs)
+        assert all((p // k < nd) == decode for p in pairs)  # decode tiles hold decode pairs, and come first
+        covered += pairs
+    assert sorted(covered) == list(range(s["T"] * k))  # every pair exactly once
+
+
+def test_max_tiles_is_the_worst_case():
+    # 4 experts with 17 pairs each: 2 tiles of 16 rows each, the bound (68 + 4 * 15) // 16 = 8 is attained
+    ids_TK = torch.arange(4).repeat_interleave(17).view(68, 1)
+    tiles = build_tiles(ids_TK, 0, 4, 16, 16)
+    assert max_tiles(68, 1, 4, 0, 16, 16) == 8 == int(tiles.ends_2[1])
+    assert max_tiles(3, 2, 64, 1, 16, 64) == 2 + 4  # fewer pairs than experts: one tile per pair at most
+    assert max_tiles(0, 8, 64, 0, 16, 64) == 0
+
+
+# ------------------------------------------------------------------------------------------- input checks
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda x: {"weights_TK": x["weights_TK"].double()}, "weights_TK"),
+        (lambda x: {"ids_TK": x["ids_TK"][:, :1]}, "ids_TK"),
+        (lambda x: {"ids_TK": x["ids_TK"].float()}, "ids_TK"),
+        (lambda x: {"h_TH": x["h_TH"].t().contiguous().t()}, "h_TH"),
+        (lambda x: {"residual_TH": x["residual_TH"][:-1]}, "residual_TH"),
+        (
+            lambda x: {"gate_up_EFH": x["gate_up_EFH"].transpose(1, 2).contiguous().transpose(1, 2)},
+            "gate_up_EFH",
+        ),
+        (lambda x: {"gate_up_EFH": x["gate_up_EFH"][:, :-1]}, "gate_up_EFH"),
+        (lambda x: {"down_EHF": x["down_EHF"][:-1]}, "down_EHF"),
+        (lambda x: {"down_EHF": x["down_EHF"].double()}, "down_EHF"),
+        (lambda x: {"num_decode": 17}, "num_decode"),
+        (lambda x: {"num_decode": -1}, "num_decode"),
+        (lambda x: {"preempt_flag": torch.ones(1, dtype=torch.int64)}, "preempt_flag"),
+        (lambda x: {"preempt_flag": torch.ones(2, dtype=torch.int32)}, "preempt_flag"),
+        (lambda x: {"num_programs": 0}, "num_programs"),
+        (lambda x: {"block_m_prefill": 48}, "block_m_prefill"),
+        (lambda x: {"block_n": 8}, "block_n"),
+    ],
+)
+def test_bad_inputs_are_refused_before_any_launch(change, match):
+    inputs = {**make_inputs({}), "num_decode": 6}
+    with pytest.raises(ValueError, match=match) as err:
+        persistent_moe(**{**inputs, **change(inputs)})
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
+def test_resume_of_an_untracked_run_is_refused():
+    inputs = make_inputs({})
+    tiles = build_tiles(inputs["ids_TK"], 6, 6)
+    untracked = MoeRun(None, tiles, torch.empty(32, 24), torch.empty(32, 40), None, None, None, 64, 64)
+    with pytest.raises(ValueError, match="resume"):
+        persistent_moe_run(**inputs, num_decode=6, resume=untracked)
+    with pytest.raises(ValueError, match="resume"):
+        persistent_moe_run(**inputs, num_decode=5, resume=untracked._replace(done_a_W=1, done_b_W=1))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
+def test_cpu_tensors_without_the_interpreter_are_refused():
+    if _interpreted():
+        pytest.skip("this process runs the kernels interpreted")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        persistent_moe(**make_inputs({}), num_decode=6)
+
+
+# ---------------------------------------------------------------------------------- kernel cases (any device)
+# Tiny shapes: the interpreter runs every program's ops one by one through numpy.
+KERNEL_CASES = {
+    "decode-only": dict(T=12, num_decode=12, blocks=SMALL_BLOCKS),
+    "prefill-only": dict(T=20, num_decode=0, H=48, F=32, E=8, blocks=dict(block_n=16, block_k=32)),
+    "mixed": dict(T=24, num_decode=9, E=8, K=3, blocks=SMALL_BLOCKS),
+    "mixed-default-blocks": dict(T=24, num_decode=9, E=8, K=3),
+    "idle-experts": dict(T=16, num_decode=6, E=8, routing="idle", blocks=SMALL_BLOCKS),
+    "hot-expert-decode": dict(T=24, num_decode=20, E=4, routing="hot", blocks=SMALL_BLOCKS),
+    "hot-expert-prefill": dict(
+        T=24, num_decode=4, E=4, routing="hot", blocks=dict(SMALL_BLOCKS, block_m_prefill=16)
+    ),
+    "repeated-experts": dict(T=16, num_decode=8, E=3, K=3, blocks=SMALL_BLOCKS),
+    "duplicates-within-a-token": dict(T=16, num_decode=5, E=4, K=3, routing="dup", blocks=SMALL_BLOCKS),
+    "one-token-decode": dict(T=1, num_decode=1, blocks=SMALL_BLOCKS),
+    "one-token-prefill": dict(T=1, num_decode=0),
+    "odd-h37-f21-small-blocks": dict(T=20, num_decode=7, H=37, F=21, blocks=SMALL_BLOCKS),
+    "odd-h50-f60-one-block": dict(T=20, num_decode=7, H=50, F=60),
+    "strided-h-int32-ids": dict(T=20, num_decode=7, strided_h=True, int32_ids=True, blocks=SMALL_BLOCKS),
+    "bf16-mixed": dict(T=24, num_decode=9, E=8, K=3, dtype="bfloat16", blocks=SMALL_BLOCKS),
+}
+GRIDS = (None, 1, 5)  # the default grid, one program walking every tile, an odd count
+
+
+def kernel_case(spec: dict, device: str) -> dict:
+    """Max error against the reference over the grids, and whether every grid gives the same bits."""
+    _, nd, blocks = spec_of(spec)
+    inputs = make_inputs(spec, device)
+    want_TH = fp32_reference(inputs)
+    outs = [persistent_moe(**inputs, num_decode=nd, num_programs=p, **blocks) for p in GRIDS]
+    return {
+        "max_err": max(rel_err(out.float(), want_TH) for out in outs),
+        "grid_invariant": all(torch.equal(outs[0], out) for out in outs[1:]),
+        "dtype_ok": all(out.dtype == inputs["h_TH"].dtype and out.shape == want_TH.shape for out in outs),
+    }
+
+
+PREEMPT_CASES = {
+    "mixed": dict(T=24, num_decode=6, E=4, blocks=dict(SMALL_BLOCKS, block_m_prefill=16)),
+    "mixed-default-blocks": dict(T=24, num_decode=9, E=8, K=3),
+    "prefill-only": dict(T=20, num_decode=0, E=4, blocks=dict(SMALL_BLOCKS, block_m_prefill=16)),
+    "decode-only": dict(T=12, num_decode=12, blocks=SMALL_BLOCKS),
+}
+
+
+def _items(run: MoeRun) -> tuple[int, int]:
+    """Column blocks of phases A and B, from the done masks' lengths."""
+    q = run.tiles.rows_Q.shape[0]
+    return run.done_a_W.shape[0] // q, run.done_b_W.shape[0] // q
+
+
+def preempt_before_launch(spec: dict, device: str) -> dict:
+    """The flag set before the launch: decode tokens only, the prefill tiles all undone; the flag still set on
+    resume changes nothing; a resume without it (another grid) equals one launch without a flag."""
+    _, nd, blocks = spec_of(spec)
+    inputs = make_inputs(spec, device)
+    want_TH = fp32_reference(inputs)
+    full_TH = persistent_moe(**inputs, num_decode=nd, **blocks)
+    flag = torch.ones(1, dtype=torch.int32, device=device)
+    run = persistent_moe_run(**inputs, num_decode=nd, preempt_flag=flag, **blocks)
+    dec, pre = tile_counts(run.tiles).tolist()
+    nb_a, nb_b = _items(run)
+    out = {
+        "decode_err": rel_err(run.out_TH[:nd], want_TH[:nd]),
+        "prefill_is_residual": torch.equal(run.out_TH[nd:], inputs["residual_TH"][nd:]),
+        "undone": int(run.undone),
+        "prefill_tiles": pre,
+        "decode_items_done": bool(run.done_a_W[: dec * nb_a].all() and run.done_b_W[: dec * nb_b].all()),
+        "prefill_items_done": int(run.done_a_W[dec * nb_a :].sum() + run.done_b_W[dec * nb_b :].sum()),
+    }
+    # a resume updates the run's buffers and masks in place: read them before each next launch
+    again = persistent_moe_run(**inputs, num_decode=nd, preempt_flag=flag, resume=run, **blocks)
+    out["reflagged_unchanged"] = torch.equal(again.out_TH, run.out_TH) and int(again.undone) == pre
+    done = persistent_moe_run(**inputs, num_decode=nd, resume=again, num_programs=3)
+    out["resumed_equals_full"] = torch.equal(done.out_TH, full_TH)
+    out["resumed_undone"] = int(done.undone)
+    out["resumed_err"] = rel_err(done.out_TH, want_TH)
+    zero = persistent_moe_run(**inputs, num_decode=nd, preempt_flag=flag.zero_(), **blocks)
+    out["zero_flag_equals_full"] = torch.equal(zero.out_TH, full_TH) and int(zero.undone) == 0
+    return out
+
+
+def preempt_mid_launch(spec: dict, device: str) -> dict:
+    """A flag the launch raises itself, a view of its own done mask, with one program walking the tiles in
+    order: phase A stops after the first two prefill tiles (phase B then sees the flag and does none); resumed
+    with a flag in phase B's mask, A completes and B stops after two tiles; a last resume completes the run."""
+    _, nd, blocks = spec_of(spec)
+    inputs = make_inputs(spec, device)
+    want_TH = fp32_reference(inputs)
+    full_TH = persistent_moe(**inputs, num_decode=nd, **blocks)
+    flag = torch.ones(1, dtype=torch.int32, device=device)
+    run = persistent_moe_run(**inputs, num_decode=nd, preempt_flag=flag, **blocks)
+    dec, pre = tile_counts(run.tiles).tolist()
+    nb_a, nb_b = _items(run)
+    out = {"prefill_tiles": pre}
+    last_a = (dec + 2) * nb_a - 1  # the last column block of the second prefill tile
+    run = persistent_moe_run(
+        **inputs, num_decode=nd, resume=run, preempt_flag=run.done_a_W[last_a : last_a + 1], num_programs=1
+    )
+    out["a_stop_prefill_items_a"] = int(run.done_a_W[dec * nb_a :].sum()) / nb_a
+    out["a_stop_undone"] = int(run.undone)
+    out["a_stop_decode_err"] = rel_err(run.out_TH[:nd], want_TH[:nd])
+    last_b = (dec + 2) * nb_b - 1
+    run = persistent_moe_run(
+        **inputs, num_decode=nd, resume=run, preempt_flag=run.done_b_W[last_b : last_b + 1], num_programs=1
+    )
+    out["b_stop_prefill_items_a"] = int(run.done_a_W[dec * nb_a :].sum()) / nb_a
+    out["b_stop_undone"] = int(run.undone)
+    complete_Q = run.done_b_W.view(-1, nb_b).cpu().numpy().min(1) > 0
+    out["b_stop_undone_from_masks"] = int((~complete_Q[dec : dec + pre]).sum())
+    run = persistent_moe_run(**inputs, num_decode=nd, resume=run, num_programs=2)
+    out["resumed_equals_full"] = torch.equal(run.out_TH, full_TH)
+    out["resumed_undone"] = int(run.undone)
+    return out
+
+
+def flag_cleared_between_phases(spec: dict, device: str) -> dict:
+    """Phase A (one program) stops after two prefill tiles; phase B then runs with the flag down (0): it must do
+    those two tiles and no other, since the act rows of the rest are unwritten (NaN here)."""
+    s, nd, blocks = spec_of(spec)
+    inputs = make_inputs(spec, device)
+    full_TH = persistent_moe(**inputs, num_decode=nd, **blocks)
+    flag = torch.ones(1, dtype=torch.int32, device=device)
+    run = persistent_moe_run(**inputs, num_decode=nd, preempt_flag=flag, **blocks)
+    dec, pre = tile_counts(run.tiles).tolist()
+    nb_a, _ = _items(run)
+    run.act_RF[nd * s["K"] :] = float("nan")  # the prefill pairs' rows: phase A has written none yet
+    last_a = (dec + 2) * nb_a - 1
+    _launch_gate_up(run, inputs["h_TH"], inputs["gate_up_EFH"], run.done_a_W[last_a : last_a + 1], 1)
+    _launch_down(run, inputs["down_EHF"], flag.zero_(), 4)
+    out = {
+        "prefill_tiles": pre,
+        "undone": int(_undone_tiles(run)),
+        "y_finite": bool(torch.isfinite(run.y_RH).all()),
+    }
+    run = persistent_moe_run(**inputs, num_decode=nd, resume=run)
+    out["resumed_equals_full"] = torch.equal(run.out_TH, full_TH)
+    return out
+
+
+def run_all(device: str) -> dict[str, dict]:
+    results = {f"kernel/{name}": kernel_case(spec, device) for name, spec in KERNEL_CASES.items()}
+    for name, spec in PREEMPT_CASES.items():
+        results[f"preempt-before/{name}"] = preempt_before_launch(spec, device)
+    for name in ("mixed", "mixed-default-blocks"):
+        results[f"preempt-mid/{name}"] = preempt_mid_launch(PREEMPT_CASES[name], device)
+        results[f"flag-cleared/{name}"] = flag_cleared_between_phases(PREEMPT_CASES[name], device)
+    return results
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def check_kernel(result: dict, spec: dict) -> None:
+    tol = 2e-2 if spec.get("dtype") == "bfloat16" else 1e-5
+    assert result["max_err"] <= tol, result
+    assert result["grid_invariant"] and result["dtype_ok"], result
+
+
+def check_preempt_before(result: dict) -> None:
+    assert result["decode_err"] <= 1e-5, result
+    assert result["prefill_is_residual"], result
+    assert result["undone"] == result["prefill_tiles"], result
+    assert result["decode_items_done"] and result["prefill_items_done"] == 0, result
+    assert result["reflagged_unchanged"], result
+    assert result["resumed_equals_full"] and result["resumed_undone"] == 0, result
+    assert result["resumed_err"] <= 1e-5 and result["zero_flag_equals_full"], result
+
+
+def check_preempt_mid(result: dict, exact: bool) -> None:
+    pre = result["prefill_tiles"]
+    assert pre >= 3, result  # the case must have prefill tiles left after the two that run
+    assert result["a_stop_decode_err"] <= 1e-5, result
+    assert result["b_stop_undone"] == result["b_stop_undone_from_masks"], result
+    assert result["resumed_equals_full"] and result["resumed_undone"] == 0, result
+    if exact:  # the interpreter: one program, in order, sees its own writes at once
+        assert result["a_stop_prefill_items_a"] == 2 and result["a_stop_undone"] == pre, result
+        assert result["b_stop_prefill_items_a"] == pre and result["b_stop_undone"] == pre - 2, result
+    else:
+        assert 0 <= result["b_stop_undone"] <= pre, result
+
+
+def check_flag_cleared(result: dict, exact: bool) -> None:
+    assert result["y_finite"], result  # no B item read an act row that A did not write
+    if exact:
+        assert result["undone"] == result["prefill_tiles"] - 2, result
+    else:  # phase A did at least the two tiles before the flag rose, B exactly those A completed
+        assert 0 <= result["undone"] <= result["prefill_tiles"] - 2, result
+    assert result["resumed_equals_full"], result
+
+
+# ------------------------------------------------------------------------------- Triton, interpreted on CPU
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, dict]:
+    return interpreter_results(__file__)
+
+
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_interpreted_kernels_equal_reference(interpreted, name):
+    check_kernel(interpreted[f"kernel/{name}"], KERNEL_CASES[name])
+
+
+@pytest.mark.parametrize("name", list(PREEMPT_CASES))
+def test_interpreted_preempt_before_launch_then_resume(interpreted, name):
+    check_preempt_before(interpreted[f"preempt-before/{name}"])
+
+
+@pytest.mark.parametrize("name", ["mixed", "mixed-default-blocks"])
+def test_interpreted_preempt_mid_launch_then_resume(interpreted, name):
+    check_preempt_mid(interpreted[f"preempt-mid/{name}"], exact=True)
+    check_flag_cleared(interpreted[f"flag-cleared/{name}"], exact=True)
+
+
+# ------------------------------------------------------------------------------------------- compiled, CUDA
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and HAS_TRITON), reason="needs a CUDA device and Triton"
+)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_compiled_cases_on_cuda():
+    results = run_all("cuda")
+    for name, spec in KERNEL_CASES.items():
+        check_kernel(results[f"kernel/{name}"], spec)
+    for name in PREEMPT_CASES:
+        check_preempt_before(results[f"preempt-before/{name}"])
+    for name in ("mixed", "mixed-default-blocks"):
+        check_preempt_mid(results[f"preempt-mid/{name}"], exact=False)
+        check_flag_cleared(results[f"flag-cleared/{name}"], exact=False)
+
+
+REALISTIC = dict(T=256, num_decode=192, H=1024, F=768, E=64, K=8, dtype="bfloat16")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_compiled_bf16_step_of_realistic_shape():
+    result = kernel_case(REALISTIC, "cuda")
+    check_kernel(result, REALISTIC)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_captured_launch_reads_routing_and_flag_from_the_device():
+    """One captured graph (tiles, both phases, the combine), replayed after new routing was copied into its input
+    tensors: with the flag down it equals the reference, with the flag up the decode rows do and every prefill
+    tile is reported undone."""
+    inputs = make_inputs(REALISTIC, "cuda")
+    nd = REALISTIC["num_decode"]
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    call = lambda: persistent_moe_run(**inputs, num_decode=nd, preempt_flag=flag)  # noqa: E731
+    call()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run = call()
+    fresh = make_inputs(REALISTIC, "cuda", seed=1)
+    inputs["ids_TK"].copy_(fresh["ids_TK"])
+    inputs["weights_TK"].copy_(fresh["weights_TK"])
+    graph.replay()
+    want_TH = fp32_reference(inputs)
+    assert rel_err(run.out_TH.float(), want_TH) <= 2e-2 and int(run.undone) == 0
+    flag.fill_(1)
+    graph.replay()
+    pre = int(tile_counts(run.tiles)[1])
+    assert pre > 0 and int(run.undone) == pre
+    assert rel_err(run.out_TH[:nd].float(), want_TH[:nd]) <= 2e-2
+    assert torch.equal(run.out_TH[nd:], inputs["residual_TH"][nd:])
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_all("cpu")))
