@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
+from rollout_decode import median_ms
 
 from relibra.config import RelibraConfig
 from relibra.cost_model import CostModel
@@ -40,26 +40,6 @@ from relibra.validate import validate_plan
 from tppo.engine.experts import grouped_swiglu
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _timer(device: torch.device, fn, warmup: int, repeats: int) -> float:
-    """Median milliseconds of fn() over `repeats` runs after `warmup` runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def routing_from_loads(load_E: np.ndarray, num_tokens: int, topk: int) -> np.ndarray:
@@ -140,7 +120,7 @@ def _plans(args, topo: Topology):
 
 def _layer_row(args, topo, loads, static: Plan, plan: Plan, m: int, layer: int, device, dtype) -> dict:
     H, J, G = topo.num_home_slots, topo.num_slots, topo.num_gpus
-    timer = lambda fn: _timer(device, fn, args.warmup, args.repeats)  # noqa: E731
+    timer = lambda fn: median_ms(device, fn, args.warmup, args.repeats)  # noqa: E731
     static_served = static.served_MLGJ()[m, layer]  # [G, H]
     served = plan.served_MLGJ()[m, layer]  # [G, J]
     g_static = int(static_served.sum(1).argmax())

@@ -130,6 +130,28 @@ def resolve_bandwidth(args, device: torch.device) -> float:
     return args.bandwidth
 
 
+def median_ms(device: torch.device, fn, warmup: int, repeats: int) -> float:
+    """Median milliseconds of fn() over `repeats` calls after `warmup` calls: CUDA events on a GPU (each call
+    timed alone), the wall clock elsewhere."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():

@@ -19,6 +19,7 @@ SCRIPTS = {
         "--batches", "1,4", "--new-tokens", "8", "--hf-new-tokens", "4", "--repeats", "2",
     ],
     "rollout_long": ["--tiny"],
+    "rollout_expertplex": ["--tiny"],
     "relibra_executor": ["--tiny"],
     "megatron_train": ["--tiny"],
     "relibra_sim": [

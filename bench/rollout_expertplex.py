@@ -1,0 +1,265 @@
+"""The persistent MoE kernel (ExpertPlex, issue #29) against the engine's grouped and padded expert paths, and the
+paper's section 7.3 experiment: a decode pass that arrives while a long prefill pass runs on the same GPU.
+
+    python bench/rollout_expertplex.py --json bench/out/rollout_expertplex.json   # one GPU, bf16
+    python bench/rollout_expertplex.py --tiny     # CPU smoke run: toy shapes, the Triton interpreter
+
+Shapes: one MoE layer of Qwen3-30B-A3B (hidden 2048, 128 experts top-8, expert FFN 768), random bf16 weights,
+router weights from a softmax over random logits. `--tiny`: hidden 64, 8 experts top-2, FFN 32, fp32.
+
+Section `paths`: one layer's experts for decode-only passes (`--decode-tokens`) and prefill-only passes
+(`--prefill-tokens`): grouped (two torch._grouped_mm over the pairs sorted by expert), padded (dense bmm over a
+fixed number of rows per expert plus grouped GEMMs over the overflow, where its rule applies) and persistent
+(rollout.kernels.persistent_moe). Time = median over `--repeats` of CUDA-event time after `--warmup` calls (wall
+time on the CPU); the largest difference to the fp32 reference (`moe_reference`) is reported too.
+
+Section `arrival` (CUDA only; section 7.3 of the paper): a prefill pass of `--arrival-prefill` tokens starts on a
+low-priority stream; a decode pass of `--arrival-decode` tokens is launched `--arrival-delay-us` later on a
+high-priority stream. Reported: the decode pass's latency (its launch to its end) and the prefill pass's time,
+each over its time alone:
+- streams: both passes on the grouped path; the GPU's stream priorities are the only scheduling.
+- persistent: the prefill pass is a persistent launch with a preemption flag; the decode pass sets the flag on
+  its stream, runs, then the prefill's left tiles are resumed (`persistent_moe_run(resume=...)`). The decode pass
+  waits at most for the prefill tiles in flight (one tile per SM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+if "--tiny" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when Triton is imported: before rollout's imports
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rollout_decode import QWEN3_30B_A3B, TINY, median_ms
+
+from rollout import RolloutEngine
+from rollout.config import RolloutConfig
+from rollout.kernels.persistent_moe import moe_reference, persistent_moe, persistent_moe_run
+from rollout.model import padded_capacity
+
+TINY_MOE = dict(TINY, num_hidden_layers=1, hidden_size=64, num_experts=8, num_experts_per_tok=2)
+TINY_ARGS = dict(
+    device="cpu",
+    dtype="float32",
+    decode_tokens=[4],
+    prefill_tokens=[24],
+    repeats=2,
+    warmup=1,
+    sections=["paths"],
+)
+
+
+class Layer:
+    """One MoE layer of an engine with random weights, and the step inputs of a pass of T tokens."""
+
+    def __init__(self, cfg: dict, device: torch.device, dtype: torch.dtype) -> None:
+        config = RolloutConfig(max_model_len=64, max_batch_size=1, kv_cache_tokens=64, cuda_graphs=False)
+        self.engine = RolloutEngine.from_config(dict(cfg, num_hidden_layers=1), device, dtype, config)
+        self.layer = self.engine.weights.layers[0]
+        self.spec = self.engine.spec
+        self.device, self.dtype = device, dtype
+
+    def inputs(self, num_tokens: int, seed: int) -> dict:
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        h_TH = torch.randn(num_tokens, self.spec.hidden_size, generator=gen).to(self.device, self.dtype)
+        logits_TE = torch.randn(num_tokens, self.spec.num_experts, generator=gen).to(self.device)
+        weights_TK, ids_TK = torch.topk(torch.softmax(logits_TE, -1), self.spec.top_k, dim=-1)
+        residual_TH = torch.randn(num_tokens, self.spec.hidden_size, generator=gen).to(
+            self.device, self.dtype
+        )
+        return dict(h_TH=h_TH, weights_TK=weights_TK, ids_TK=ids_TK, residual_TH=residual_TH)
+
+    def run(self, path: str, x: dict, num_decode: int) -> torch.Tensor:
+        model = self.engine.model
+        if path == "persistent":
+            return persistent_moe(
+                x["h_TH"], x["weights_TK"], x["ids_TK"], self.layer.gate_up_EFH, self.layer.down_EHF,
+                x["residual_TH"], num_decode=num_decode,
+            )  # fmt: skip
+        model.capacity_for = padded_capacity if path == "padded" else (lambda num_pairs, num_experts: None)
+        return model.experts(
+            self.layer, x["h_TH"], x["weights_TK"], x["ids_TK"], x["residual_TH"], num_decode
+        )
+
+    def reference(self, x: dict) -> torch.Tensor:
+        return moe_reference(
+            x["h_TH"].float(), x["weights_TK"], x["ids_TK"], self.layer.gate_up_EFH.float(),
+            self.layer.down_EHF.float(), x["residual_TH"].float(),
+        )  # fmt: skip
+
+
+def timed_us(fn, device: torch.device, repeats: int, warmup: int) -> float:
+    return 1e3 * median_ms(device, fn, warmup, repeats)
+
+
+# --------------------------------------------------------------------------------------------- sections
+def section_paths(layer: Layer, args) -> list[dict]:
+    rows = []
+    passes = [("decode", t, t) for t in args.decode_tokens] + [("prefill", t, 0) for t in args.prefill_tokens]
+    for phase, tokens, num_decode in passes:
+        x = layer.inputs(tokens, seed=tokens)
+        ref = layer.reference(x)
+        for path in ("grouped", "padded", "persistent"):
+            if (
+                path == "padded"
+                and padded_capacity(tokens * layer.spec.top_k, layer.spec.num_experts) is None
+            ):
+                continue  # its rule sends this pass to the grouped path
+            row = {"phase": phase, "tokens": tokens, "path": path}
+            try:
+                out = layer.run(path, x, num_decode)
+                row["max_abs_diff"] = float((out.float() - ref).abs().max())
+                row["us"] = timed_us(
+                    functools.partial(layer.run, path, x, num_decode), layer.device, args.repeats, args.warmup
+                )
+            except Exception as err:
+                traceback.print_exc()
+                row["error"] = f"{type(err).__name__}: {err}"
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def section_arrival(layer: Layer, args) -> dict:
+    """Section 7.3: decode latency and prefill time when a decode pass arrives during a prefill pass."""
+    if layer.device.type != "cuda":
+        return {"skipped": "needs CUDA streams"}
+    prefill = layer.inputs(args.arrival_prefill, seed=1)
+    decode = layer.inputs(args.arrival_decode, seed=2)
+    low, high = torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-1)
+    alone = {
+        "decode_us": timed_us(lambda: layer.run("grouped", decode, args.arrival_decode), layer.device, 20, 3),
+        "prefill_us": timed_us(lambda: layer.run("grouped", prefill, 0), layer.device, 10, 2),
+        "decode_persistent_us": timed_us(
+            lambda: layer.run("persistent", decode, args.arrival_decode), layer.device, 20, 3
+        ),
+        "prefill_persistent_us": timed_us(lambda: layer.run("persistent", prefill, 0), layer.device, 10, 2),
+    }
+    out = {"alone": alone}
+    for mode in ("streams", "persistent"):
+        samples = [arrival_once(layer, prefill, decode, low, high, mode, args) for _ in range(args.repeats)]
+        decode_us = statistics.median(s[0] for s in samples)
+        prefill_us = statistics.median(s[1] for s in samples)
+        suffix = "_persistent" if mode == "persistent" else ""
+        out[mode] = {
+            "decode_us": decode_us,
+            "prefill_us": prefill_us,
+            "decode_slowdown": decode_us / alone[f"decode{suffix}_us"],
+            "prefill_slowdown": prefill_us / alone[f"prefill{suffix}_us"],
+        }
+        print(mode, out[mode], flush=True)
+    return out
+
+
+def arrival_once(
+    layer: Layer, prefill: dict, decode: dict, low, high, mode: str, args
+) -> tuple[float, float]:
+    """(decode latency, prefill completion) in microseconds, both from the prefill's start."""
+    events = {k: torch.cuda.Event(enable_timing=True) for k in ("p0", "p1", "d0", "d1")}
+    flag = torch.zeros(1, dtype=torch.int32, device=layer.device)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(low):
+        events["p0"].record()
+        if mode == "persistent":
+            run = persistent_moe_run(
+                prefill["h_TH"], prefill["weights_TK"], prefill["ids_TK"], layer.layer.gate_up_EFH,
+                layer.layer.down_EHF, prefill["residual_TH"], num_decode=0, preempt_flag=flag,
+            )  # fmt: skip
+        else:
+            layer.run("grouped", prefill, 0)
+    time.sleep(args.arrival_delay_us * 1e-6)
+    with torch.cuda.stream(high):
+        events["d0"].record()
+        if mode == "persistent":
+            flag.fill_(1)
+        layer.run("persistent" if mode == "persistent" else "grouped", decode, args.arrival_decode)
+        events["d1"].record()
+        if mode == "persistent":
+            flag.fill_(0)
+    if mode == "persistent":
+        low.wait_stream(high)
+        with torch.cuda.stream(low):
+            persistent_moe_run(
+                prefill["h_TH"], prefill["weights_TK"], prefill["ids_TK"], layer.layer.gate_up_EFH,
+                layer.layer.down_EHF, prefill["residual_TH"], num_decode=0, resume=run,
+            )  # fmt: skip
+    with torch.cuda.stream(low):
+        events["p1"].record()
+    torch.cuda.synchronize()
+    return events["d0"].elapsed_time(events["d1"]) * 1e3, events["p0"].elapsed_time(events["p1"]) * 1e3
+
+
+# --------------------------------------------------------------------------------------------- CLI
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="toy shapes on the CPU under the Triton interpreter")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--decode-tokens", type=int_list, default=[32, 128, 256])
+    ap.add_argument("--prefill-tokens", type=int_list, default=[2048, 8192])
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--arrival-prefill", type=int, default=8192)
+    ap.add_argument("--arrival-decode", type=int, default=128)
+    ap.add_argument("--arrival-delay-us", type=float, default=10.0)
+    ap.add_argument("--sections", type=lambda s: s.split(","), default=["paths", "arrival"])
+    ap.add_argument("--json", default="bench/out/rollout_expertplex.json")
+    if ap.parse_known_args()[0].tiny:
+        ap.set_defaults(**TINY_ARGS)
+    args = ap.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    layer = Layer(TINY_MOE if args.tiny else QWEN3_30B_A3B, device, dtype)
+    results: dict = {
+        "args": vars(args),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
+    for name, fn in (("paths", section_paths), ("arrival", section_arrival)):
+        if name in args.sections:
+            try:
+                results[name] = fn(layer, args)
+            except Exception as err:
+                traceback.print_exc()
+                results[name] = {"error": f"{type(err).__name__}: {err}"}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=2))
+    print_tables(results)
+
+
+def print_tables(results: dict) -> None:
+    print("\n| phase | tokens | path | us | max abs diff vs fp32 reference |\n|---|---|---|---|---|")
+    for r in results.get("paths", []) if isinstance(results.get("paths"), list) else []:
+        us = f"{r['us']:.1f}" if "us" in r else r.get("error", "")[:80]
+        diff = f"{r['max_abs_diff']:.2g}" if "max_abs_diff" in r else "-"
+        print(f"| {r['phase']} | {r['tokens']} | {r['path']} | {us} | {diff} |")
+    arrival = results.get("arrival", {})
+    if "streams" in arrival:
+        print("\n| scheduling | decode latency us (x alone) | prefill us (x alone) |\n|---|---|---|")
+        for mode in ("streams", "persistent"):
+            a = arrival[mode]
+            print(
+                f"| {mode} | {a['decode_us']:.0f} ({a['decode_slowdown']:.2f}x) | "
+                f"{a['prefill_us']:.0f} ({a['prefill_slowdown']:.2f}x) |"
+            )
+    elif arrival:
+        print(f"\narrival: {arrival}")
+
+
+if __name__ == "__main__":
+    main()
