@@ -81,6 +81,11 @@ TINY = dict(
 )
 
 
+def int_list(text: str) -> list[int]:
+    """A comma-separated list of ints (a command-line option)."""
+    return [int(x) for x in text.split(",")]
+
+
 def model_config(base: dict, layers: int) -> dict:
     return dict(base, num_hidden_layers=layers)
 
@@ -513,7 +518,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--hf-layers", type=int, default=48, help="layers of the transformers comparison model")
     ap.add_argument("--check-layers", type=int, default=2)
-    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32, 256])
+    ap.add_argument("--batches", type=int_list, default=[1, 32, 256])
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--hf-new-tokens", type=int, default=24)

@@ -43,12 +43,12 @@ if "--tiny" in sys.argv and not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rollout_decode import QWEN3_30B_A3B, TINY, median_ms
+from rollout_decode import QWEN3_30B_A3B, TINY, int_list, median_ms
 
 from rollout import RolloutEngine
 from rollout.config import RolloutConfig
-from rollout.kernels.persistent_moe import moe_reference, persistent_moe, persistent_moe_run
-from rollout.model import padded_capacity
+from rollout.kernels.persistent_moe import MoeRun, moe_reference, persistent_moe_run
+from rollout.model import no_padding, padded_capacity
 
 TINY_MOE = dict(TINY, num_hidden_layers=1, hidden_size=64, num_experts=8, num_experts_per_tok=2)
 TINY_ARGS = dict(
@@ -83,16 +83,20 @@ class Layer:
         return dict(h_TH=h_TH, weights_TK=weights_TK, ids_TK=ids_TK, residual_TH=residual_TH)
 
     def run(self, path: str, x: dict, num_decode: int) -> torch.Tensor:
-        model = self.engine.model
         if path == "persistent":
-            return persistent_moe(
-                x["h_TH"], x["weights_TK"], x["ids_TK"], self.layer.gate_up_EFH, self.layer.down_EHF,
-                x["residual_TH"], num_decode=num_decode,
-            )  # fmt: skip
-        model.capacity_for = padded_capacity if path == "padded" else (lambda num_pairs, num_experts: None)
+            return self.persistent(x, num_decode).out_TH
+        model = self.engine.model
+        model.capacity_for = padded_capacity if path == "padded" else no_padding
         return model.experts(
             self.layer, x["h_TH"], x["weights_TK"], x["ids_TK"], x["residual_TH"], num_decode
         )
+
+    def persistent(self, x: dict, num_decode: int, **launch) -> MoeRun:
+        """The persistent kernel's run of the pass (`launch`: preempt_flag, resume)."""
+        return persistent_moe_run(
+            x["h_TH"], x["weights_TK"], x["ids_TK"], self.layer.gate_up_EFH, self.layer.down_EHF,
+            x["residual_TH"], num_decode=num_decode, **launch,
+        )  # fmt: skip
 
     def reference(self, x: dict) -> torch.Tensor:
         return moe_reference(
@@ -174,10 +178,7 @@ def arrival_once(
     with torch.cuda.stream(low):
         events["p0"].record()
         if mode == "persistent":
-            run = persistent_moe_run(
-                prefill["h_TH"], prefill["weights_TK"], prefill["ids_TK"], layer.layer.gate_up_EFH,
-                layer.layer.down_EHF, prefill["residual_TH"], num_decode=0, preempt_flag=flag,
-            )  # fmt: skip
+            run = layer.persistent(prefill, 0, preempt_flag=flag)
         else:
             layer.run("grouped", prefill, 0)
     time.sleep(args.arrival_delay_us * 1e-6)
@@ -192,10 +193,7 @@ def arrival_once(
     if mode == "persistent":
         low.wait_stream(high)
         with torch.cuda.stream(low):
-            persistent_moe_run(
-                prefill["h_TH"], prefill["weights_TK"], prefill["ids_TK"], layer.layer.gate_up_EFH,
-                layer.layer.down_EHF, prefill["residual_TH"], num_decode=0, resume=run,
-            )  # fmt: skip
+            layer.persistent(prefill, 0, resume=run)
     with torch.cuda.stream(low):
         events["p1"].record()
     torch.cuda.synchronize()
@@ -203,10 +201,6 @@ def arrival_once(
 
 
 # --------------------------------------------------------------------------------------------- CLI
-def int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="toy shapes on the CPU under the Triton interpreter")

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rollout_decode import add_bandwidth_arg, resolve_bandwidth
+from rollout_decode import add_bandwidth_arg, int_list, resolve_bandwidth
 
 from rollout.sampling import counter_uniform_torch, sample
 
@@ -264,7 +264,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32, 256])
+    ap.add_argument("--batches", type=int_list, default=[1, 32, 256])
     ap.add_argument("--keys", type=int, default=192, help="attended length bucket")
     ap.add_argument("--max-model-len", type=int, default=256)
     ap.add_argument("--inner", type=int, default=48, help="calls per captured graph")

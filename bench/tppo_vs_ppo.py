@@ -52,8 +52,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rollout_decode import QWEN3_30B_A3B, TINY, free_memory, sync
-from rollout_long import warm_up
+from rollout_decode import QWEN3_30B_A3B, TINY, free_memory, int_list, sync
+from rollout_long import save, warm_up
 
 from rollout import RolloutEngine, SamplingParams
 from rollout.config import RolloutConfig
@@ -330,11 +330,6 @@ def print_rollout(results: dict) -> None:
         )
 
 
-def save(results: dict, path: str) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(results, indent=2, default=str))
-
-
 # --------------------------------------------------------------------------------------------- end to end
 PHASES = ("rollout", "values", "critic_update", "old_logprobs", "policy_update", "weight_sync", "offload")
 TINY_E2E = dict(
@@ -507,10 +502,6 @@ def print_e2e(results: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------------- CLI
-def int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
-
-
 def add_rollout_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
