@@ -98,15 +98,15 @@ def needs_gpus(cfg: ExperimentConfig) -> str | None:
 def nodes_used(cfg: ExperimentConfig) -> int:
     """How many nodes the experiment's ranks fill: ceil(GPUs used / GPUs per node), or policy ranks on CPU.
 
-    GPUs used are the policy ranks when roles share GPUs (colocated), and policy + critic + rollout workers
-    when each role has its own (separate).
+    GPUs used are the policy ranks when roles share GPUs (colocated), and policy + critic + rollout processes
+    (engines, and their expert workers in the disaggregated layout) when each role has its own (separate).
     """
     cl = cfg.cluster
     if cl.gpus_per_node == 0:
         return cl.policy_ranks
     used = cl.policy_ranks
     if cl.placement == "separate":
-        used += cl.critic_ranks + cl.rollout_workers
+        used += cl.critic_ranks + cl.rollout_ranks
     return math.ceil(used / cl.gpus_per_node)
 
 

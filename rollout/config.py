@@ -35,6 +35,13 @@ class RolloutConfig:
         help="expert MLP path: grouped GEMMs; padded bmm for decode batches (auto on CUDA); persistent: the "
         "tile-scheduled Triton kernel (rollout.kernels, decode tiles first; CUDA or TRITON_INTERPRET=1)",
     )
+    micro_batches: int = spec(
+        0,
+        ge=0,
+        le=4,
+        help="disaggregated layout: micro-batches per step shuttling between attention and expert workers "
+        "(ping-pong); 0 = auto (3)",
+    )
     cuda_graphs: bool = True
     cuda_graph_max_tokens: int = spec(4096, ge=1, help="steps of at most this many tokens run as CUDA graphs")
     trace_steps: bool = spec(False, help="record every step in last_stats.steps (benchmarks)")

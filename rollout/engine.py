@@ -199,7 +199,7 @@ class RolloutEngine:
         """Load a Hugging Face safetensors checkpoint folder (config.json + *.safetensors)."""
         spec = MoeModelSpec.from_pretrained(path)
         device = torch.device(device)
-        weights = allocate(spec, device, _resolve_dtype(dtype, spec, config))
+        weights = allocate(spec, device, resolve_dtype(dtype, spec, config))
         load_checkpoint(WeightMap(spec, weights), path)
         return cls(spec, weights, device, config)
 
@@ -216,7 +216,7 @@ class RolloutEngine:
         """Random weights for a Hugging Face config dict (benchmarks; load_weights fills real ones later)."""
         spec = MoeModelSpec.from_hf_config(hf_config)
         device = torch.device(device)
-        weights = allocate(spec, device, _resolve_dtype(dtype, spec, config))
+        weights = allocate(spec, device, resolve_dtype(dtype, spec, config))
         init_random(weights, std=init_std, seed=seed)
         return cls(spec, weights, device, config)
 
@@ -562,7 +562,7 @@ class _Scheduler:
         self.num_preemptions += 1
 
 
-def _resolve_dtype(dtype: str | torch.dtype, spec: MoeModelSpec, config: RolloutConfig | None) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, spec: MoeModelSpec, config: RolloutConfig | None) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto" and config is not None and config.dtype != "auto":

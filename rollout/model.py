@@ -167,19 +167,10 @@ class MoeDecoder:
         return out_T1H.squeeze(1)
 
     def _ffn(self, layer: LayerWeights, x_RH: torch.Tensor, ends_E: torch.Tensor) -> torch.Tensor:
-        """Grouped GEMMs over rows grouped by expert (group e ends at ends_E[e]; rows past the last end are
-        not computed and hold garbage)."""
-        gate_up_RF = torch._grouped_mm(x_RH, layer.gate_up_EFH.transpose(1, 2), offs=ends_E)
-        return torch._grouped_mm(self._swiglu(gate_up_RF), layer.down_EHF.transpose(1, 2), offs=ends_E)
+        return grouped_ffn(x_RH, layer.gate_up_EFH, layer.down_EHF, ends_E, self._swiglu)
 
     def _sorted_experts(self, layer: LayerWeights, h_TH: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
-        """Expert outputs of the pairs in token order, [T*K, H]: a stable sort on int16 expert ids (a quarter of
-        the radix passes of int64 keys, the same order), grouped GEMMs, the rows put back in token order."""
-        k = ids_TK.shape[1]
-        sorted_ids_R, order_R = torch.sort(ids_TK.reshape(-1).to(self.sort_dtype), stable=True)
-        ends_E = torch.searchsorted(sorted_ids_R, self.experts_E, right=True, out_int32=True)
-        y_RH = self._ffn(layer, h_TH[order_R // k], ends_E)
-        return torch.empty_like(y_RH).index_copy_(0, order_R, y_RH)
+        return sorted_experts(h_TH, ids_TK, layer.gate_up_EFH, layer.down_EHF, self.experts_E, self._swiglu)
 
     def _padded_ffn(
         self, layer: LayerWeights, rows: PaddedRows, capacity: int
@@ -194,70 +185,86 @@ class MoeDecoder:
         y_PH = torch.bmm(self._swiglu(gate_up_ECF), layer.down_EHF.transpose(1, 2)).view(e * c, -1)
         return y_PH, self._ffn(layer, rows.x_OH, rows.over_ends_E)
 
+    def dense_mlp(self, layer: LayerWeights, h_TH: torch.Tensor, residual_TH: torch.Tensor) -> torch.Tensor:
+        """residual + down(silu(gate h) * up h) of a dense (non-MoE) layer."""
+        f = self.spec.dense_ffn_size
+        gu = F.linear(h_TH, layer.dense_gate_up_FH)
+        return torch.addmm(residual_TH, F.silu(gu[:, :f]) * gu[:, f:], layer.dense_down_HF.t())
+
     def _mlp(
         self, layer: LayerWeights, h_TH: torch.Tensor, residual_TH: torch.Tensor, num_decode: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """residual + MLP(h) and the routed experts (None for a dense layer)."""
         if layer.router_EH is None:
-            f = self.spec.dense_ffn_size
-            gu = F.linear(h_TH, layer.dense_gate_up_FH)
-            return torch.addmm(residual_TH, F.silu(gu[:, :f]) * gu[:, f:], layer.dense_down_HF.t()), None
+            return self.dense_mlp(layer, h_TH, residual_TH), None
         weights_TK, ids_TK = self.route(layer, h_TH)
         return self.experts(layer, h_TH, weights_TK, ids_TK, residual_TH, num_decode), ids_TK
 
-    def _layer(
-        self,
-        layer: LayerWeights,
-        x_TH: torch.Tensor,
-        cos_TD: torch.Tensor,
-        sin_TD: torch.Tensor,
-        k_XMD: torch.Tensor,
-        v_XMD: torch.Tensor,
-        cache_rows_T: torch.Tensor,
-        attend,
-        num_decode: int,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One decoder layer: attention (K/V written at their cache rows first, then `attend(q)`) and the MLP."""
+    def attention_block(
+        self, i: int, x_TH: torch.Tensor, step: StepBatch, cos_TD: torch.Tensor, sin_TD: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's attention half: x + o(attention(norm(x))) (the step's K/V written at their cache rows
+        first, so a prefill chunk sees its own keys), and that sum's post-attention norm (the MLP's input)."""
+        s, cache, layer = self.spec, self.cache, self.weights.layers[i]
+        k_XMD, v_XMD = cache.layer(i)
         q_TND, k_TMD, v_TMD = self._qkv(layer, self._norm(x_TH, layer.input_norm_H), cos_TD, sin_TD)
-        k_XMD.index_copy_(0, cache_rows_T, k_TMD)
-        v_XMD.index_copy_(0, cache_rows_T, v_TMD)
-        x_TH = self._out_proj(layer, attend(q_TND), x_TH)
-        return self._mlp(layer, self._norm(x_TH, layer.post_norm_H), x_TH, num_decode)
+        k_XMD.index_copy_(0, step.cache_rows_T, k_TMD)
+        v_XMD.index_copy_(0, step.cache_rows_T, v_TMD)
+        out_TND = paged_attention(
+            q_TND, k_XMD, v_XMD, cache.table_RB, step.attention, cache.block_size, s.head_dim**-0.5
+        )
+        x_TH = self._out_proj(layer, out_TND.reshape(q_TND.shape[0], s.q_size), x_TH)
+        return x_TH, self._norm(x_TH, layer.post_norm_H)
 
     # ----------------------------------------------------------------------------------------- step
+    def embed(self, step: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's embeddings x [T, H] and RoPE tables cos, sin [T, D] at its positions."""
+        positions_T = step.positions_T
+        return self.weights.embed_VH[step.tokens_T], self.cos_PD[positions_T], self.sin_PD[positions_T]
+
+    def logits(self, x_TH: torch.Tensor, sample_S: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [S, V] (model dtype) of the flat tokens sample_S."""
+        return F.linear(self._norm(x_TH[sample_S], self.weights.final_norm_H), self.weights.lm_head_VH)
+
     def forward(self, step: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the step's flat tokens through the model, writing their K/V into the cache first in every layer.
         Returns the logits [S, V] (model dtype) at the flat indices `step.sample_S` and the routed experts
         [T, L, K] (int64) of every token. Free of host synchronisation (a captured graph replays it)."""
-        s, cache = self.spec, self.cache
-        positions_T = step.positions_T
-        cos_TD, sin_TD = self.cos_PD[positions_T], self.sin_PD[positions_T]
-        x_TH = self.weights.embed_VH[step.tokens_T]
+        x_TH, cos_TD, sin_TD = self.embed(step)
         ids = []
         for i, layer in enumerate(self.weights.layers):
-            k_XMD, v_XMD = cache.layer(i)
-
-            def attend(q_TND, k_XMD=k_XMD, v_XMD=v_XMD):
-                out_TND = paged_attention(
-                    q_TND, k_XMD, v_XMD, cache.table_RB, step.attention, cache.block_size, s.head_dim**-0.5
-                )
-                return out_TND.reshape(q_TND.shape[0], s.q_size)
-
-            x_TH, ids_TK = self._layer(
-                layer,
-                x_TH,
-                cos_TD,
-                sin_TD,
-                k_XMD,
-                v_XMD,
-                step.cache_rows_T,
-                attend,
-                step.attention.num_decode,
-            )
+            x_TH, h_TH = self.attention_block(i, x_TH, step, cos_TD, sin_TD)
+            x_TH, ids_TK = self._mlp(layer, h_TH, x_TH, step.attention.num_decode)
             if ids_TK is not None:
                 ids.append(ids_TK)
-        h_SH = self._norm(x_TH[step.sample_S], self.weights.final_norm_H)
-        return F.linear(h_SH, self.weights.lm_head_VH), torch.stack(ids, dim=1)
+        return self.logits(x_TH, step.sample_S), torch.stack(ids, dim=1)
+
+
+def grouped_ffn(
+    x_RH: torch.Tensor, gate_up_EFH: torch.Tensor, down_EHF: torch.Tensor, ends_E: torch.Tensor, act=None
+) -> torch.Tensor:
+    """Grouped GEMMs over rows grouped by expert (group e ends at ends_E[e]; rows past the last end are not
+    computed and hold garbage): down_e act(gate_up_e x); act = swiglu unless a compiled one is given."""
+    gate_up_RF = torch._grouped_mm(x_RH, gate_up_EFH.transpose(1, 2), offs=ends_E)
+    return torch._grouped_mm((act or swiglu)(gate_up_RF), down_EHF.transpose(1, 2), offs=ends_E)
+
+
+def sorted_experts(
+    h_TH: torch.Tensor,
+    ids_TK: torch.Tensor,
+    gate_up_EFH: torch.Tensor,
+    down_EHF: torch.Tensor,
+    experts_E: torch.Tensor,
+    act=None,
+) -> torch.Tensor:
+    """Expert outputs of the pairs in token order, [T*K, H]: a stable sort on the expert ids in experts_E's
+    dtype (int16 for <= 32768 experts: a quarter of the radix passes of int64 keys, the same order), grouped
+    GEMMs, the rows put back in token order. Pairs with an id past the last expert are not computed (garbage)."""
+    k = ids_TK.shape[1]
+    sorted_ids_R, order_R = torch.sort(ids_TK.reshape(-1).to(experts_E.dtype), stable=True)
+    ends_E = torch.searchsorted(sorted_ids_R, experts_E, right=True, out_int32=True)
+    y_RH = grouped_ffn(h_TH[order_R // k], gate_up_EFH, down_EHF, ends_E, act)
+    return torch.empty_like(y_RH).index_copy_(0, order_R, y_RH)
 
 
 def swiglu(gate_up_xF: torch.Tensor) -> torch.Tensor:

@@ -225,24 +225,17 @@ class StepRunner:
         t, s = shape.tokens, shape.samples
         tok = self.tokens_T4[:t]
         tiles = self.tiles_2Q[:, : shape.tiles]
+        index_S, seeds_S, top_k_S = self.sample_ints_S3[:s].unbind(1)
+        temperature_S, top_p_S = self.sample_floats_S2[:s].unbind(1)
         splits = (
             decode_splits(shape.decode, self.model.spec.num_kv_heads, self.num_sms) if shape.decode else 1
         )
-        attention = AttentionBatch(
-            seq_T=tok[:, SEQ].to(torch.int32),
-            pos_T=tok[:, POSITION].to(torch.int32),
-            num_decode=shape.decode,
-            tile_start_Q=tiles[0],
-            tile_len_Q=tiles[1],
-            num_splits=splits,
-        )
-        index_S, seeds_S, top_k_S = self.sample_ints_S3[:s].unbind(1)
-        temperature_S, top_p_S = self.sample_floats_S2[:s].unbind(1)
-        step = StepBatch(tok[:, TOKEN], tok[:, POSITION], tok[:, CACHE_ROW], attention, index_S)
+        step = step_batch(tok, tiles, shape.decode, splits, index_S)
         logits_SV, routes_TLK = self.model.forward(step)
         self.routes_TLK[:t].copy_(routes_TLK)
-        uniform_S = counter_uniform_torch(seeds_S, tok[:, POSITION][index_S] + 1)
-        sampled_S, logprobs_S = sample(logits_SV, temperature_S, top_k_S, top_p_S, uniform_S, shape.filtered)
+        sampled_S, logprobs_S = sample_at(
+            logits_SV, tok[:, POSITION][index_S], seeds_S, temperature_S, top_k_S, top_p_S, shape.filtered
+        )
         self.tokens_S[:s].copy_(sampled_S)
         self.logprobs_S[:s].copy_(logprobs_S)
 
@@ -268,6 +261,37 @@ class StepRunner:
             torch.cuda.synchronize(self.device)
             return None
         return graph
+
+
+def step_batch(
+    tok_T4: torch.Tensor, tiles_2Q: torch.Tensor, num_decode: int, num_splits: int, sample_S: torch.Tensor
+) -> StepBatch:
+    """The model's view of a step from its device tensors: flat tokens (TOKEN, POSITION, SEQ, CACHE_ROW
+    columns, decode rows first), prefill tiles (starts | lengths) and the flat indices of the sampled tokens."""
+    attention = AttentionBatch(
+        seq_T=tok_T4[:, SEQ].to(torch.int32),
+        pos_T=tok_T4[:, POSITION].to(torch.int32),
+        num_decode=num_decode,
+        tile_start_Q=tiles_2Q[0],
+        tile_len_Q=tiles_2Q[1],
+        num_splits=num_splits,
+    )
+    return StepBatch(tok_T4[:, TOKEN], tok_T4[:, POSITION], tok_T4[:, CACHE_ROW], attention, sample_S)
+
+
+def sample_at(
+    logits_SV: torch.Tensor,
+    positions_S: torch.Tensor,
+    seeds_S: torch.Tensor,
+    temperature_S: torch.Tensor,
+    top_k_S: torch.Tensor,
+    top_p_S: torch.Tensor,
+    filtered: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and their log-probs sampled from logits of tokens at positions_S: the draw is the counter-based
+    uniform of (seed, position + 1), the position of the sampled token, so a recomputed row draws the same."""
+    uniform_S = counter_uniform_torch(seeds_S, positions_S + 1)
+    return sample(logits_SV, temperature_S, top_k_S, top_p_S, uniform_S, filtered)
 
 
 def batch_buckets(max_rows: int) -> list[int]:

@@ -50,10 +50,15 @@ class LayerWeights:
 
 @dataclass
 class ModelWeights:
+    """A model's tensors, or one worker's part of them (the disaggregated layout): the experts `experts` (local
+    index e - experts.start) and, when `dense`, everything else; tensors a worker does not hold have no elements."""
+
     embed_VH: torch.Tensor
     final_norm_H: torch.Tensor
     lm_head_VH: torch.Tensor
     layers: list[LayerWeights]
+    experts: range = range(0)
+    dense: bool = True
 
     def tensors(self) -> list[torch.Tensor]:
         out = [self.embed_VH, self.final_norm_H, self.lm_head_VH]
@@ -70,32 +75,49 @@ class ModelWeights:
         return total
 
 
-def allocate(spec: MoeModelSpec, device: torch.device, dtype: torch.dtype) -> ModelWeights:
-    """Uninitialised tensors in the engine's layout (filled by `load_checkpoint` or `init_random`)."""
+def allocate(
+    spec: MoeModelSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    experts: range | None = None,
+    dense: bool = True,
+) -> ModelWeights:
+    """Uninitialised tensors in the engine's layout (filled by `load_checkpoint` or `init_random`): the experts
+    `experts` (all by default) and, when `dense`, every other tensor. An attention worker of the disaggregated
+    layout holds no expert (`experts=range(0)`), an expert worker only its experts (`dense=False`)."""
+    experts = range(spec.num_experts) if experts is None else experts
+    if experts.step != 1 or experts.start < 0 or experts.stop > spec.num_experts:
+        raise ValueError(f"experts={experts}: expected a contiguous range within [0, {spec.num_experts})")
 
     def new(*shape: int) -> torch.Tensor:
         return torch.empty(*shape, device=device, dtype=dtype)
+
+    def held(*shape: int) -> torch.Tensor:
+        return new(*shape) if dense else new(0)
 
     h, c = spec.hidden_size, spec.q_size + 2 * spec.kv_size
     layers = []
     for is_moe in spec.moe_layers:
         layer = LayerWeights(
-            input_norm_H=new(h), post_norm_H=new(h), qkv_CH=new(c, h), o_HQ=new(h, spec.q_size)
+            input_norm_H=held(h), post_norm_H=held(h), qkv_CH=held(c, h), o_HQ=held(h, spec.q_size)
         )
         if spec.attention_bias:
-            layer.qkv_bias_C, layer.o_bias_H = new(c), new(h)
+            layer.qkv_bias_C, layer.o_bias_H = held(c), held(h)
         if spec.qk_norm:
-            layer.q_norm_D, layer.k_norm_D = new(spec.head_dim), new(spec.head_dim)
+            layer.q_norm_D, layer.k_norm_D = held(spec.head_dim), held(spec.head_dim)
         if is_moe:
-            e, f = spec.num_experts, spec.moe_ffn_size
-            layer.router_EH, layer.gate_up_EFH, layer.down_EHF = new(e, h), new(e, 2 * f, h), new(e, h, f)
+            e, f = len(experts), spec.moe_ffn_size
+            layer.router_EH = held(spec.num_experts, h)
+            layer.gate_up_EFH, layer.down_EHF = new(e, 2 * f, h), new(e, h, f)
         else:
             f = spec.dense_ffn_size
-            layer.dense_gate_up_FH, layer.dense_down_HF = new(2 * f, h), new(h, f)
+            layer.dense_gate_up_FH, layer.dense_down_HF = held(2 * f, h), held(h, f)
         layers.append(layer)
-    embed = new(spec.vocab_size, h)
-    lm_head = embed if spec.tie_word_embeddings else new(spec.vocab_size, h)
-    return ModelWeights(embed_VH=embed, final_norm_H=new(h), lm_head_VH=lm_head, layers=layers)
+    embed = held(spec.vocab_size, h)
+    lm_head = embed if spec.tie_word_embeddings else held(spec.vocab_size, h)
+    return ModelWeights(
+        embed_VH=embed, final_norm_H=held(h), lm_head_VH=lm_head, layers=layers, experts=experts, dense=dense
+    )
 
 
 def init_random(weights: ModelWeights, std: float = 0.02, seed: int = 0) -> None:
@@ -119,7 +141,33 @@ class WeightMap:
         self.weights = weights
 
     def expected_units(self) -> set[str]:
-        """Every hub tensor name the model needs (per expert), the set a full checkpoint load must cover."""
+        """Every hub tensor name (per expert) of the tensors these weights hold, the set a full checkpoint load
+        must cover."""
+        s, w = self.spec, self.weights
+        experts = {
+            self._expert_unit(i, e, part)
+            for i, is_moe in enumerate(s.moe_layers)
+            if is_moe
+            for e in w.experts
+            for part in ("gate", "up", "down")
+        }
+        return experts | self._dense_units() if w.dense else experts
+
+    def _not_held(self, what: str) -> ValueError:
+        held = self.weights.experts
+        where = f"this worker holds experts [{held.start}, {held.stop})" if held else "this worker holds none"
+        return ValueError(f"load_weights: {what} belongs to another expert worker ({where})")
+
+    def holds(self, name: str) -> bool:
+        """Whether these weights hold any of the name's tensors (a worker of the disaggregated layout loads its
+        part of a checkpoint)."""
+        w = self.weights
+        if not is_expert_weight(name):
+            return w.dense
+        e = expert_of(name)
+        return len(w.experts) > 0 if e is None else e in w.experts
+
+    def _dense_units(self) -> set[str]:
         s = self.spec
         units = {"model.embed_tokens.weight", "model.norm.weight"}
         if not s.tie_word_embeddings:
@@ -134,11 +182,6 @@ class WeightMap:
                 units |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
             if is_moe:
                 units.add(self._moe_prefix(i) + "gate.weight")
-                units |= {
-                    self._expert_unit(i, e, part)
-                    for e in range(s.num_experts)
-                    for part in ("gate", "up", "down")
-                }
             else:
                 units |= {f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
         return units
@@ -154,6 +197,17 @@ class WeightMap:
         return f"{self._moe_prefix(i)}experts.{e}.{part}_proj.weight"
 
     def resolve(self, name: str) -> list[tuple[str, torch.Tensor, Source]]:
+        """(unit, target, source) of every unit the name holds here; KeyError for a name of no such model,
+        ValueError for a tensor of the model that this worker does not hold."""
+        hits = self._resolve(name)
+        if not self.weights.dense and any(not _is_expert(unit) for unit, _, _ in hits):
+            raise ValueError(
+                f"load_weights: {name!r} is held by the attention workers; this expert worker holds experts "
+                f"[{self.weights.experts.start}, {self.weights.experts.stop}) only"
+            )
+        return hits
+
+    def _resolve(self, name: str) -> list[tuple[str, torch.Tensor, Source]]:
         w, s = self.weights, self.spec
         whole: Source = lambda t: t  # noqa: E731
         if name == "model.embed_tokens.weight":
@@ -228,25 +282,40 @@ class WeightMap:
             }.get(proj)
             if part is None or e >= s.num_experts:
                 return []
+            if e not in self.weights.experts:
+                raise self._not_held(f"expert {e} of layer {i}")
+            local = e - self.weights.experts.start
             target = {
-                "gate": layer.gate_up_EFH[e, :f],
-                "up": layer.gate_up_EFH[e, f:],
-                "down": layer.down_EHF[e],
+                "gate": layer.gate_up_EFH[local, :f],
+                "up": layer.gate_up_EFH[local, f:],
+                "down": layer.down_EHF[local],
             }
             return [(self._expert_unit(i, e, part), target[part], whole)]
+        # fused tensors of all experts: the held experts' slices
+        start = self.weights.experts.start
+        if re.fullmatch(moe + r"\.experts\.(gate_up|down)_proj", rest) and not self.weights.experts:
+            raise self._not_held(f"{rest} of layer {i}")
         if re.fullmatch(moe + r"\.experts\.gate_up_proj", rest):
             return [
                 hit
-                for e in range(s.num_experts)
+                for e in self.weights.experts
                 for hit in (
-                    (self._expert_unit(i, e, "gate"), layer.gate_up_EFH[e, :f], lambda t, e=e: t[e, :f]),
-                    (self._expert_unit(i, e, "up"), layer.gate_up_EFH[e, f:], lambda t, e=e: t[e, f:]),
+                    (
+                        self._expert_unit(i, e, "gate"),
+                        layer.gate_up_EFH[e - start, :f],
+                        lambda t, e=e: t[e, :f],
+                    ),
+                    (
+                        self._expert_unit(i, e, "up"),
+                        layer.gate_up_EFH[e - start, f:],
+                        lambda t, e=e: t[e, f:],
+                    ),
                 )
             ]
         if re.fullmatch(moe + r"\.experts\.down_proj", rest):
             return [
-                (self._expert_unit(i, e, "down"), layer.down_EHF[e], lambda t, e=e: t[e])
-                for e in range(s.num_experts)
+                (self._expert_unit(i, e, "down"), layer.down_EHF[e - start], lambda t, e=e: t[e])
+                for e in self.weights.experts
             ]
         return []
 
@@ -279,6 +348,26 @@ class WeightMap:
                 )
 
 
+_EXPERT_UNIT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _is_expert(unit: str) -> bool:
+    """Whether a unit name (one hub tensor) is an expert's weight."""
+    return _EXPERT_UNIT.search(unit) is not None
+
+
+def expert_of(name: str) -> int | None:
+    """The expert of a per-expert parameter name (`...experts.{e}....`), None for any other name."""
+    m = _EXPERT_UNIT.search(name)
+    return int(m.group(1)) if m else None
+
+
+def is_expert_weight(name: str) -> bool:
+    """Whether a Hugging Face parameter name holds expert weights (per-expert or fused): the tensors the weight
+    sync sends to the expert workers of the disaggregated layout."""
+    return _is_expert(name) or re.search(r"\.experts\.(gate_up_proj|down_proj)$", name) is not None
+
+
 def checkpoint_files(path: str | Path) -> list[Path]:
     """The safetensors shards of a checkpoint folder (through the index file when there is one)."""
     root = Path(path)
@@ -294,19 +383,23 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(path: str | Path) -> Iterable[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every shard, one tensor in memory at a time."""
+def iter_checkpoint(
+    path: str | Path, keep: Callable[[str], bool] = lambda name: True
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every shard whose name `keep` accepts, one tensor in memory at a time
+    (the others are never read)."""
     from safetensors import safe_open
 
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+                if keep(name):
+                    yield name, f.get_tensor(name)
 
 
 def load_checkpoint(weight_map: WeightMap, path: str | Path) -> None:
     """Load a whole checkpoint and fail if any needed tensor is missing (no silently random expert)."""
-    written = weight_map.load(iter_checkpoint(path))
+    written = weight_map.load(iter_checkpoint(path, keep=weight_map.holds))
     missing = weight_map.expected_units() - written
     if weight_map.spec.tie_word_embeddings:
         missing.discard("lm_head.weight")

@@ -2,6 +2,11 @@
 
 `sleep` / `wake` time-share the device with colocated trainers (generate and load_weights wake it).
 
+In the disaggregated layout (`rollout.disagg`) a replica is one attention worker and its expert workers, each a
+RolloutWorker with a `DisaggSeat`: the attention worker runs the engine without experts, an expert worker holds
+a range of experts and answers the attention worker's transfers while the driver's `generate` call runs on it
+(its outputs are empty); the driver sends each its own part of a weight sync.
+
 A plain class: tests and single-GPU debugging use it in-process; the driver places it with
 `ray.remote(num_gpus=1)(RolloutWorker).remote(...)`. Its arguments and results are picklable (the config is a
 dataclass, outputs are `GenerationOutput` records of lists and numpy arrays), and weight buckets arrive as
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout.config import RolloutConfig
+from rollout.disagg import DisaggregatedEngine, DisaggSeat, ExpertWorker, init_group
 from rollout.engine import GenerateStats, GenerationOutput, RolloutEngine
 from rollout.params import SamplingParams
 
@@ -42,12 +48,30 @@ class RolloutWorker:
         dtype: str = "auto",
         config: RolloutConfig | None = None,
         num_threads: int | None = None,
+        seat: DisaggSeat | None = None,
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        self.engine = RolloutEngine.from_pretrained(model_path, device=device, dtype=dtype, config=config)
+        self.seat = seat
+        self.expert: ExpertWorker | None = None
+        if seat is None:
+            self.engine = RolloutEngine.from_pretrained(model_path, device=device, dtype=dtype, config=config)
+        else:
+            init_group(seat.rank, seat.world_size, seat.init_method)
+            if seat.experts is None:
+                self.engine = DisaggregatedEngine.from_pretrained(
+                    model_path, seat.layout, device, dtype, config
+                )
+            else:
+                self.expert = ExpertWorker.from_pretrained(
+                    model_path, seat.experts, seat.layout, device, dtype
+                )
         self._asleep = None
         self._graphs = config.cuda_graphs if config is not None else True
+
+    def ready(self) -> bool:
+        """Returns once the worker is built (in the disaggregated layout: once its whole replica joined)."""
+        return True
 
     def info(self) -> WorkerInfo:
         e = self.engine
@@ -67,7 +91,10 @@ class RolloutWorker:
         prompt_token_ids: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationOutput]:
-        if not prompt_token_ids:  # a worker whose share of a small batch is empty
+        if self.expert is not None:  # serve the attention worker until its generate call ends
+            self.expert.serve()
+            return []
+        if not prompt_token_ids and self.seat is None:  # a worker whose share of a small batch is empty
             self.engine.last_stats = GenerateStats()
             return []
         self.wake()
@@ -75,6 +102,8 @@ class RolloutWorker:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """One bucket of (hf_name, tensor) pairs, copied in place; returns the number of hub tensors written."""
+        if self.expert is not None:
+            return self.expert.load_weights(named_tensors)
         self.wake()
         return self.engine.load_weights(named_tensors)
 
@@ -88,6 +117,11 @@ class RolloutWorker:
         storages' addresses; the next generate captures again), the weights are copied to host memory."""
         from tppo.base.offload import StorageOffloader
 
+        if self.seat is not None:
+            raise RuntimeError(
+                "rollout workers of the disaggregated layout do not time-share their devices: run them with "
+                "cluster.placement=separate or cluster.offload=off"
+            )
         if self._asleep is not None:
             return
         e = self.engine

@@ -166,10 +166,16 @@ def _cluster_rules(c: ExperimentConfig) -> str | None:
         return "run.device=cuda needs cluster.gpus_per_node >= 1"
     if gpus and cl.placement == "colocated" and cl.policy_ranks > gpus:
         return f"cluster.policy_ranks={cl.policy_ranks} exceeds the {gpus} GPUs of the cluster"
-    if gpus and cl.placement == "separate" and cl.policy_ranks + cl.critic_ranks + cl.rollout_workers > gpus:
+    if gpus and cl.placement == "separate" and cl.policy_ranks + cl.critic_ranks + cl.rollout_ranks > gpus:
         return (
-            f"separate placement needs policy_ranks + critic_ranks + rollout_workers = "
-            f"{cl.policy_ranks + cl.critic_ranks + cl.rollout_workers} GPUs; the cluster has {gpus}"
+            f"separate placement needs policy_ranks + critic_ranks + rollout processes = "
+            f"{cl.policy_ranks + cl.critic_ranks + cl.rollout_ranks} GPUs; the cluster has {gpus}"
+        )
+    if cl.rollout_layout == "disaggregated" and cl.time_shared:
+        return (
+            "cluster.rollout_layout=disaggregated needs devices of its own: its workers do not time-share them "
+            f"with the trainers (cluster.placement={cl.placement}, cluster.offload={cl.offload}); set "
+            "cluster.placement=separate or cluster.offload=off"
         )
     if cl.num_nodes > 1 and gpus and cl.policy_ranks % cl.num_nodes:
         return f"cluster.policy_ranks={cl.policy_ranks} cannot be spread evenly over cluster.num_nodes={cl.num_nodes}"

@@ -20,6 +20,7 @@ SCRIPTS = {
     ],
     "rollout_long": ["--tiny"],
     "rollout_expertplex": ["--tiny"],
+    "rollout_disagg": ["--profile", "--tiny"],
     "relibra_executor": ["--tiny"],
     "megatron_train": ["--tiny"],
     "relibra_sim": [

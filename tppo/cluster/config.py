@@ -19,13 +19,28 @@ class ClusterConfig:
     placement: str = spec("colocated", choices=("colocated", "separate"))
     policy_ranks: int = spec(1, ge=1, help="trainer processes of the policy")
     critic_ranks: int = spec(1, ge=1)
-    rollout_workers: int = spec(1, ge=1)
+    rollout_workers: int = spec(
+        1, ge=1, help="rollout engines (the attention workers in the disaggregated layout), requests shared"
+    )
+    rollout_layout: str = spec(
+        "replicas",
+        choices=("replicas", "disaggregated"),
+        help="replicas: every engine holds the whole model; disaggregated (MegaScale-Infer): each engine holds "
+        "attention, KV and router, and cluster.expert_workers more processes hold its experts",
+    )
+    expert_workers: int = spec(1, ge=1, help="expert workers per engine in the disaggregated layout")
     offload: str = spec(
         "auto",
         choices=("auto", "on", "off"),
         help="time-share devices between roles (trainers offload while the rollout engine generates, the engine "
         "sleeps while they train); auto: on for colocated GPU runs",
     )
+
+    @property
+    def rollout_ranks(self) -> int:
+        """Rollout processes: the engines, and in the disaggregated layout their expert workers."""
+        per_engine = 1 + self.expert_workers if self.rollout_layout == "disaggregated" else 1
+        return self.rollout_workers * per_engine
 
     @property
     def time_shared(self) -> bool:

@@ -43,7 +43,7 @@ def layout(cluster: ClusterConfig, reference_ranks: int = 0) -> Layout:
     ranks = {
         "policy": cluster.policy_ranks,
         "critic": cluster.critic_ranks,
-        "rollout": cluster.rollout_workers,
+        "rollout": cluster.rollout_ranks,
         "reference": reference_ranks,
     }
     gpu = 1.0 if cluster.gpus_per_node else 0.0

@@ -11,6 +11,7 @@ run with a message that names the role and rank, never a hang: every remote call
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,9 @@ import numpy as np
 
 from relibra.plan import Plan
 from rollout.config import RolloutConfig
+from rollout.disagg import DisaggSeat, replica_seats, split_weights
 from rollout.engine import GenerateStats
+from rollout.model_spec import MoeModelSpec
 from rollout.params import SamplingParams
 from rollout.worker import RolloutWorker, WorkerInfo
 from tppo.algo.batching import Placement, critic_batch, place, policy_batch, split_for_ranks
@@ -92,6 +95,10 @@ class RankGroup:
         except ray.exceptions.RayTaskError as err:
             raise RoleError(f"{self._rank_of(err)}: {name}() failed: {err}") from err
 
+    def subset(self, ranks: Sequence[int]) -> RankGroup:
+        """The group of some of these ranks (in that order), for calls that only they answer."""
+        return RankGroup(self.name, [self.handles[r] for r in ranks], self.remote)
+
     def _rank_of(self, err: Exception) -> str:
         """The role and rank of the actor a Ray error came from ("policy rank 1"; "a policy rank" when the
         error does not say)."""
@@ -129,36 +136,59 @@ def start_group(
 # ------------------------------------------------------------------------------------------------ rollout
 @dataclass
 class Rollout:
-    """The rollout engines: generation is split over them, weights go to all of them."""
+    """The rollout engines: generation is split over them, weights go to all of them. In the disaggregated
+    layout (`seats` given) the engines are the attention workers; the expert workers serve their replica's
+    attention worker during each generate call and receive only their experts' weights."""
 
     ranks: RankGroup
+    seats: list[DisaggSeat] | None = None
+
+    @property
+    def engines(self) -> list[int]:
+        """The ranks that take requests."""
+        if self.seats is None:
+            return list(range(self.ranks.size))
+        return [r for r, seat in enumerate(self.seats) if seat.experts is None]
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[Any]:
         """Generate on every engine at once, the requests shared by their expected tokens (`share_by_cost`:
         prefill + new tokens, so long continuations spread over the engines); outputs come back in request
         order (a request's seed, not its engine, decides what it samples)."""
         costs = [len(p) + q.max_new_tokens for p, q in zip(prompts, params, strict=True)]
-        shares = share_by_cost(costs, self.ranks.size)
-        args = [([list(prompts[i]) for i in share], [params[i] for i in share]) for share in shares]
+        engines = self.engines
+        shares = share_by_cost(costs, len(engines))
+        args: list[tuple] = [([], [])] * self.ranks.size
+        for rank, share in zip(engines, shares):
+            args[rank] = ([list(prompts[i]) for i in share], [params[i] for i in share])
+        results = self.ranks.call(RolloutWorker.generate, args)
         outs: list[Any] = [None] * len(prompts)
-        for share, share_outs in zip(shares, self.ranks.call(RolloutWorker.generate, args), strict=True):
-            for i, out in zip(share, share_outs, strict=True):
+        for share, rank in zip(shares, engines, strict=True):
+            for i, out in zip(share, results[rank], strict=True):
                 outs[i] = out
         return outs
 
     def last_stats(self) -> list[GenerateStats]:
         """Every engine's counters of its last generate call (prefill and decode time, decode rows)."""
-        return self.ranks.call(RolloutWorker.last_stats)
+        return self.ranks.subset(self.engines).call(RolloutWorker.last_stats)
 
     def load_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
-        self.ranks.call(RolloutWorker.load_weights, None, named_tensors)
+        """Every engine gets the bucket; in the disaggregated layout the attention workers get its non-expert
+        tensors and each expert worker its experts' tensors."""
+        if self.seats is None:
+            self.ranks.call(RolloutWorker.load_weights, None, named_tensors)
+            return
+        parts = []
+        for seat in self.seats:
+            dense, experts = split_weights(named_tensors, [seat.experts or range(0)])
+            parts.append((dense if seat.experts is None else experts[0],))
+        self.ranks.call(RolloutWorker.load_weights, parts)
 
     def sleep(self) -> None:
         """Release the engines' KV cache and weights (colocated roles); the next call brings them back."""
         self.ranks.call(RolloutWorker.sleep)
 
     def info(self) -> list[WorkerInfo]:
-        return self.ranks.call(RolloutWorker.info)
+        return self.ranks.subset(self.engines).call(RolloutWorker.info)
 
 
 def share_by_cost(costs: Sequence[int], num_workers: int) -> list[list[int]]:
@@ -182,11 +212,27 @@ def start_rollout(
     num_workers: int,
     remote: bool,
     placement: Reservation | None = None,
+    expert_workers: int = 0,
 ) -> Rollout:
     """The rollout engines, each in its own process, built from an HF directory (the policy's export); waits
-    until all are built (or fails with a message naming the role)."""
+    until all are built (or fails with a message naming the role). With `expert_workers` (the disaggregated
+    layout) every engine is an attention worker followed by its expert workers, each replica a process group of
+    its own."""
     args = (str(hf_dir), device, dtype, rollout_cfg, 1 if device == "cpu" else None)
-    return Rollout(start_group("rollout", RolloutWorker, [args] * num_workers, remote, placement))
+    if not expert_workers:
+        return Rollout(start_group("rollout", RolloutWorker, [args] * num_workers, remote, placement))
+    num_experts = MoeModelSpec.from_pretrained(hf_dir).num_experts
+    with contextlib.ExitStack() as ports:
+        seats = [
+            seat
+            for _ in range(num_workers)
+            for seat in replica_seats(
+                num_experts, expert_workers, f"tcp://127.0.0.1:{ports.enter_context(reserved_port())}"
+            )
+        ]
+        group = start_group("rollout", RolloutWorker, [(*args, seat) for seat in seats], remote, placement)
+        group.call(RolloutWorker.ready)  # every replica joined: its port may be released
+    return Rollout(group, seats)
 
 
 # ----------------------------------------------------------------------------------------------- trainers

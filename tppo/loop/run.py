@@ -54,11 +54,13 @@ def critic_parallel(cfg: ExperimentConfig) -> ParallelConfig:
 
 
 def rollout_engines(cfg: ExperimentConfig, hf_dir: Path, placement: Reservation | None = None) -> Rollout:
-    """The rollout engines (cluster.rollout_workers), each in its own process, built from the HF directory the
-    policy exported."""
+    """The rollout engines (cluster.rollout_workers; with their expert workers in the disaggregated layout),
+    each in its own process, built from the HF directory the policy exported."""
     device = "cuda" if cfg.cluster.gpus_per_node else "cpu"
+    cl = cfg.cluster
+    expert_workers = cl.expert_workers if cl.rollout_layout == "disaggregated" else 0
     return start_rollout(
-        hf_dir, device, cfg.rollout.dtype, cfg.rollout, cfg.cluster.rollout_workers, True, placement
+        hf_dir, device, cfg.rollout.dtype, cfg.rollout, cl.rollout_workers, True, placement, expert_workers
     )
 
 

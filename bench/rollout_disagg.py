@@ -1,0 +1,527 @@
+"""Per-layer times a MegaScale-Infer deployment planner needs (issue #30), measured on one GPU.
+
+    python bench/rollout_disagg.py --profile --json bench/out/rollout_disagg_profile.json   # one GPU, bf16
+    python bench/rollout_disagg.py --profile --tiny      # CPU smoke run: toy shapes, fp32, wall time
+
+Writes the profile JSON `rollout-profile/1` (read by `python -m rollout.plan --profile`): the device, its measured
+copy bandwidth, the model's widths and, per section, one row per point. Model: one decoder layer of Qwen3-30B-A3B
+(hidden 2048, 32 q / 4 kv heads of 128, 128 experts top-8, expert FFN 768) with random weights, bf16; `--tiny`
+takes rollout_decode's TINY widths in fp32 on the CPU.
+
+Sections (a point that raises is listed under "errors" and the others still run):
+1. attention: for every `--batches` x `--contexts`, what an attention worker runs per layer for `batch` decode rows
+   each at position `context` (positions 0..context-1 cached): MoeDecoder.attention_block (input RMSNorm, qkv, q/k
+   norm, RoPE, K/V write, paged attention through the block table, o_proj + residual, post-attention RMSNorm)
+   and MoeDecoder.route (router top-k). The rows are real block-table rows of an engine whose cache holds one
+   layer (random K/V), sized for the largest point that fits the free memory; larger points are skipped.
+2. experts: for every `--expert-tokens`, MoeDecoder.experts of all E experts with the engine's default kernel
+   choice for that token count (padded bmm for 8-64 pairs per expert on a GPU, grouped GEMMs otherwise), routing
+   from a softmax over random logits (rollout_expertplex.Layer.inputs).
+3. overlap (CUDA only): for each `--overlap` point batch:context:tokens, the attention part of one micro-batch and
+   the experts of another (`tokens` tokens) launched back to back on two CUDA streams, timed together, against
+   each alone and their sum: how much of MegaScale-Infer's ping-pong one GPU can overlap.
+4. steps: whole decode steps of an engine of `--step-layers` layers (CUDA graphs on, layout "replicas": every
+   GPU holds the whole model) at `--step-batches` x `--step-contexts` where the KV fits: the runner's step (inputs
+   in, replay, sampling, outputs on the host) as rollout_decode.time_replay times it; `--validate` compares a
+   plan's prediction with these.
+
+Timing: rollout_decode.median_ms (CUDA events, median of `--repeats` after `--warmup`; wall time on the CPU). On
+CUDA each piece is first captured as one CUDA graph and its replay is timed, because the engine runs its layers
+inside graphs: launched op by op, the ~25 small kernels of the attention part would time the host's launches,
+not the GPU (`--eager` times them so anyway). Points that start after `--time-budget-s` are skipped, so a slow
+card still writes its JSON in a few minutes. Besides the schema's keys the JSON has "skipped" and "errors" (one
+entry per point left out, with the reason) and "meta" (arguments, torch, each expert token count's path);
+overlap rows also carry their `tokens`.
+
+Legend: B decode rows, T tokens, H hidden, K top-k, E experts, V vocab.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rollout_decode import (
+    QWEN3_30B_A3B,
+    TINY,
+    add_bandwidth_arg,
+    decode_step,
+    free_memory,
+    int_list,
+    median_ms,
+    model_config,
+    resolve_bandwidth,
+    section,
+    time_replay,
+)
+from rollout_expertplex import Layer
+from rollout_long import save
+
+from rollout import RolloutEngine
+from rollout.config import RolloutConfig
+from rollout.kv_cache import available_bytes
+from rollout.model import StepBatch
+from rollout.model_spec import MoeModelSpec
+from rollout.paged_attention import AttentionBatch, decode_splits
+from rollout.runner import CACHE_ROW, POSITION, SEQ, TOKEN, StepInputs
+from rollout.weights import allocate
+
+SCHEMA = "rollout-profile/1"
+HEADROOM_BYTES = 4 * 2**30  # left free beside weights and KV: activations, graph pools, allocator slack
+BLOCK_SIZE = RolloutConfig().kv_block_size
+TINY_ARGS = dict(
+    device="cpu",
+    dtype="float32",
+    batches=[1, 4],
+    contexts=[16, 40],
+    expert_tokens=[1, 8, 32],
+    overlap=[(2, 16, 8)],
+    step_layers=2,
+    step_batches=[1, 4],
+    step_contexts=[16, 40],
+    repeats=2,
+    warmup=1,
+)
+
+
+# --------------------------------------------------------------------------------------------- the layer
+class LayerProfile(Layer):
+    """rollout_expertplex's Layer (one MoE layer of an engine with random weights, expert inputs of T tokens) whose
+    KV cache holds `num_positions` positions for up to `max_rows` rows of `max_len`, so the layer's attention runs
+    over real cached context too. The cache is filled with N(0, 1): the same bytes move as with real keys, and
+    a test comparing outputs sees every attended position."""
+
+    def __init__(
+        self,
+        cfg: dict,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_rows: int,
+        max_len: int,
+        num_positions: int,
+    ) -> None:
+        config = RolloutConfig(
+            max_model_len=max_len,
+            max_batch_size=max_rows,
+            max_step_tokens=max(2048, max_rows),
+            kv_cache_tokens=num_positions,
+            cuda_graphs=False,  # the engine's runner is not used; pieces are captured one by one
+        )
+        self.engine = RolloutEngine.from_config(dict(cfg, num_hidden_layers=1), device, dtype, config)
+        self.model, self.layer, self.spec = self.engine.model, self.engine.weights.layers[0], self.engine.spec
+        self.device, self.dtype = device, dtype
+        gen = torch.Generator(device=device).manual_seed(0)
+        for kv_LXMD in self.engine.cache.tensors():
+            kv_LXMD.normal_(generator=gen)
+
+    @contextlib.contextmanager
+    def decode_rows(self, batch: int, context: int, seed: int = 0):
+        """A decode-only StepBatch of `batch` rows of random tokens, each at position `context`: the rows are opened
+        in the engine's block table with blocks for positions 0..context (rollout_decode.decode_step) and
+        released on exit."""
+        with decode_step(self.engine, batch, at_context(context)) as inputs:
+            self.engine.cache.sync_table()
+            yield step_batch(self.engine, inputs, seed)
+
+    def attention(
+        self, step: StepBatch, x_TH: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """What an attention worker runs per layer: the model's attention block and router. Returns what it hands
+        to the experts, keyed as Layer.inputs (so `experts` takes either)."""
+        x_TH, h_TH = self.model.attention_block(0, x_TH, step, cos_TD, sin_TD)
+        weights_TK, ids_TK = self.model.route(self.layer, h_TH)
+        return dict(h_TH=h_TH, weights_TK=weights_TK, ids_TK=ids_TK, residual_TH=x_TH)
+
+    def experts(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        """residual + the routed experts, through the engine's default kernel for this token count (all decode)."""
+        return self.model.experts(
+            self.layer, x["h_TH"], x["weights_TK"], x["ids_TK"], x["residual_TH"], x["h_TH"].shape[0]
+        )
+
+    def expert_path(self, num_tokens: int) -> str:
+        """The path `experts` takes for num_tokens decode tokens (the engine's rule, e.g. padded_capacity)."""
+        if self.model.persistent:
+            return "persistent"
+        padded = self.model.capacity_for(num_tokens * self.spec.top_k, self.spec.num_experts) is not None
+        return "padded" if padded else "grouped"
+
+
+def at_context(context: int, repeats: int = 0) -> argparse.Namespace:
+    """rollout_decode's decode_step / time_replay put their rows at position prompt_len + new_tokens // 2: this
+    puts them at `context`, i.e. `context` cached positions before the decoded token."""
+    return argparse.Namespace(prompt_len=context, new_tokens=0, repeats=repeats)
+
+
+def step_batch(engine: RolloutEngine, inputs: StepInputs, seed: int) -> StepBatch:
+    """The device batch of a decode-only step, as the runner builds it (no prefill tiles, its split-K rule)."""
+    tokens_T4 = inputs.tokens_T4.copy()
+    tokens_T4[:, TOKEN] = np.random.default_rng(seed).integers(0, engine.spec.vocab_size, len(tokens_T4))
+    tok_T4 = torch.from_numpy(tokens_T4).to(engine.device)
+    n = inputs.num_decode
+    no_tiles_Q = torch.zeros(0, dtype=torch.int32, device=engine.device)
+    attention = AttentionBatch(
+        seq_T=tok_T4[:, SEQ].to(torch.int32),
+        pos_T=tok_T4[:, POSITION].to(torch.int32),
+        num_decode=n,
+        tile_start_Q=no_tiles_Q,
+        tile_len_Q=no_tiles_Q,
+        num_splits=decode_splits(n, engine.spec.num_kv_heads, engine.runner.num_sms),
+    )
+    sample_S = torch.arange(n, device=engine.device)
+    return StepBatch(tok_T4[:, TOKEN], tok_T4[:, POSITION], tok_T4[:, CACHE_ROW], attention, sample_S)
+
+
+# --------------------------------------------------------------------------------------------- timing
+def graphed(fn, device: torch.device, eager: bool):
+    """fn as the engine runs it: one CUDA graph replay (warmed up on a side stream first, so torch.compile and
+    Triton compile outside the capture, as the runner does); fn itself off CUDA or when `eager`."""
+    if device.type != "cuda" or eager:
+        return fn
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def two_streams(first, second, device: torch.device):
+    """first and second launched back to back on two fresh streams that start after, and rejoin, the current one
+    (so median_ms's events on the current stream bracket both)."""
+    streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+
+    def run() -> None:
+        main = torch.cuda.current_stream(device)
+        for stream, fn in zip(streams, (first, second)):
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                fn()
+        for stream in streams:
+            main.wait_stream(stream)
+
+    return run
+
+
+def kv_bytes(spec: MoeModelSpec, batch: int, context: int, element_size: int) -> int:
+    """K + V of `batch` rows of positions 0..context in whole cache blocks, over the spec's layers."""
+    blocks = -(-(context + 1) // BLOCK_SIZE)
+    return batch * blocks * BLOCK_SIZE * spec.kv_bytes_per_token(element_size)
+
+
+def weight_bytes(spec: MoeModelSpec, dtype: torch.dtype) -> int:
+    """Bytes of the engine's weights for the spec (allocated on the meta device: no memory)."""
+    tensors = allocate(spec, torch.device("meta"), dtype).tensors()
+    return sum({id(t): t.numel() * t.element_size() for t in tensors}.values())
+
+
+def fitting(points: list[tuple[int, int]], spec: MoeModelSpec, dtype: torch.dtype, budget: int):
+    """(points whose KV fits `budget` bytes and the spec's positions, {point: why not} for the others)."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    fit, why = [], {}
+    for batch, context in points:
+        need = kv_bytes(spec, batch, context, element_size)
+        if context + 1 > spec.max_position_embeddings:
+            why[batch, context] = (
+                f"context {context} + 1 > max_position_embeddings {spec.max_position_embeddings}"
+            )
+        elif need > budget:
+            why[batch, context] = f"KV {need / 2**30:.1f} GiB > {budget / 2**30:.1f} GiB free for it"
+        else:
+            fit.append((batch, context))
+    return fit, why
+
+
+def kv_budget(spec: MoeModelSpec, device: torch.device, dtype: torch.dtype) -> int:
+    """Free device memory left for the KV cache once the engine's weights and some headroom are taken (blocks
+    cached by the allocator count as used in CUDA's free memory: released first)."""
+    free_memory()
+    return available_bytes(device) - weight_bytes(spec, dtype) - HEADROOM_BYTES
+
+
+def engine_sizes(points: list[tuple[int, int]]) -> dict:
+    """max_rows, max_len and num_positions of a cache that holds each point (one at a time)."""
+    blocks = [b * -(-(c + 1) // BLOCK_SIZE) for b, c in points]
+    longest = max(c for _, c in points) + 1
+    return dict(
+        max_rows=max(b for b, _ in points),
+        max_len=-(-longest // BLOCK_SIZE) * BLOCK_SIZE,
+        num_positions=max(blocks) * BLOCK_SIZE,
+    )
+
+
+# --------------------------------------------------------------------------------------------- points
+class Recorder:
+    """The profile being written: rows per section, skipped points, errors, and the time budget."""
+
+    def __init__(self, out: dict, budget_s: float) -> None:
+        self.out = out
+        self.deadline = time.monotonic() + budget_s
+
+    def over(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def skip(self, name: str, point: dict, reason: str) -> None:
+        self.out["skipped"].append({"section": name, **point, "reason": reason})
+        print(f"{name} {point}: skipped ({reason})", flush=True)
+
+    def point(self, name: str, point: dict, measure) -> None:
+        """Append {**point, **measure()} to the section's rows; over the time budget the point is skipped, an
+        exception is recorded under "errors" (the run goes on); memory is freed after each point."""
+        if self.over():
+            self.skip(name, point, "time budget (--time-budget-s) spent")
+            return
+        try:
+            self.out[name].append({**point, **measure()})
+            print(name, self.out[name][-1], flush=True)
+        except Exception as err:  # one failing point must not lose the others
+            traceback.print_exc()
+            self.out["errors"].append({"section": name, **point, "error": f"{type(err).__name__}: {err}"})
+        finally:
+            free_memory()
+
+
+def attention_ms(prof: LayerProfile, batch: int, context: int, args) -> float:
+    with prof.decode_rows(batch, context, seed=batch + context) as step:
+        x_TH, cos_TD, sin_TD = prof.model.embed(step)
+        run = graphed(lambda: prof.attention(step, x_TH, cos_TD, sin_TD), prof.device, args.eager)
+        return median_ms(prof.device, run, args.warmup, args.repeats)
+
+
+def experts_ms(prof: LayerProfile, tokens: int, args) -> float:
+    x = prof.inputs(tokens, seed=tokens)
+    run = graphed(lambda: prof.experts(x), prof.device, args.eager)
+    return median_ms(prof.device, run, args.warmup, args.repeats)
+
+
+def overlap_row(prof: LayerProfile, batch: int, context: int, tokens: int, args) -> dict:
+    """Attention of one micro-batch and experts of another: alone, summed, and on two streams at once."""
+    device = prof.device
+    x = prof.inputs(tokens, seed=tokens)
+    with prof.decode_rows(batch, context, seed=batch + context) as step:
+        x_TH, cos_TD, sin_TD = prof.model.embed(step)
+        attention = graphed(lambda: prof.attention(step, x_TH, cos_TD, sin_TD), device, args.eager)
+        experts = graphed(lambda: prof.experts(x), device, args.eager)
+        row = {
+            "attention_ms": median_ms(device, attention, args.warmup, args.repeats),
+            "experts_ms": median_ms(device, experts, args.warmup, args.repeats),
+        }
+        row["sum_ms"] = row["attention_ms"] + row["experts_ms"]
+        both = two_streams(attention, experts, device)
+        row["two_streams_ms"] = median_ms(device, both, args.warmup, args.repeats)
+    return row
+
+
+# --------------------------------------------------------------------------------------------- sections
+def layer_sections(run: Recorder, args, base: dict, device: torch.device, dtype: torch.dtype) -> None:
+    """Sections attention, experts and overlap on one LayerProfile whose cache holds their largest point."""
+    spec = MoeModelSpec.from_hf_config(model_config(base, 1))
+    grid = [(b, c) for c in args.contexts for b in args.batches]
+    overlap = [] if device.type != "cuda" else list(args.overlap)
+    fit, why = fitting(grid + [(b, c) for b, c, _ in overlap], spec, dtype, kv_budget(spec, device, dtype))
+    prof = LayerProfile(base, device, dtype, **engine_sizes(fit or [(1, 1)]))
+    run.out["meta"]["expert_paths"] = {t: prof.expert_path(t) for t in args.expert_tokens}
+
+    def attention() -> list[dict]:
+        for batch, context in grid:
+            point = {"batch": batch, "context": context}
+            if (batch, context) in why:
+                run.skip("attention", point, why[batch, context])
+            else:
+                run.point(
+                    "attention", point, lambda b=batch, c=context: {"ms": attention_ms(prof, b, c, args)}
+                )
+        return run.out["attention"]
+
+    def experts() -> list[dict]:
+        for tokens in args.expert_tokens:
+            run.point("experts", {"tokens": tokens}, lambda t=tokens: {"ms": experts_ms(prof, t, args)})
+        return run.out["experts"]
+
+    def overlapped() -> list[dict]:
+        for batch, context, tokens in args.overlap:
+            point = {"batch": batch, "context": context, "tokens": tokens}
+            if device.type != "cuda":
+                run.skip("overlap", point, "needs CUDA streams")
+            elif (batch, context) in why:
+                run.skip("overlap", point, why[batch, context])
+            else:
+                run.point("overlap", point, lambda p=(batch, context, tokens): overlap_row(prof, *p, args))
+        return run.out["overlap"]
+
+    for name, fn in (("attention", attention), ("experts", experts), ("overlap", overlapped)):
+        section(name, fn, run.out)
+        save(run.out, args.json)
+
+
+def steps_section(run: Recorder, args, base: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Whole decode steps of a `--step-layers` engine (CUDA graphs on unless --eager) where the KV fits."""
+    cfg = model_config(base, args.step_layers)
+    spec = MoeModelSpec.from_hf_config(cfg)
+    grid = [(b, c) for c in args.step_contexts for b in args.step_batches]
+    fit, why = fitting(grid, spec, dtype, kv_budget(spec, device, dtype))
+    engine = None
+    if fit and not run.over():  # past the budget every point is skipped: no engine to build
+        sizes = engine_sizes(fit)
+        config = RolloutConfig(
+            max_model_len=sizes["max_len"],
+            max_batch_size=sizes["max_rows"],
+            max_step_tokens=max(2048, sizes["max_rows"]),
+            kv_cache_tokens=sizes["num_positions"],
+            cuda_graphs=not args.eager,
+        )
+        engine = RolloutEngine.from_config(cfg, device=device, dtype=dtype, config=config, seed=0)
+    for batch, context in grid:
+        point = {"layout": "replicas", "batch": batch, "context": context, "num_layers": args.step_layers}
+        if (batch, context) in why:
+            run.skip("steps", point, why[batch, context])
+            continue
+        timing = at_context(context, args.repeats)
+        run.point(
+            "steps", point, lambda e=engine, b=batch, t=timing: {"step_ms": time_replay(e, b, t, device)}
+        )
+    engine = None  # its KV cache goes before the JSON is written
+    free_memory()
+    return run.out["steps"]
+
+
+def new_profile(args, base: dict, device: torch.device) -> dict:
+    spec = MoeModelSpec.from_hf_config(base)
+    return {
+        "schema": SCHEMA,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "copy_GBps": args.bandwidth / 1e9,
+        "model": {
+            "hidden_size": spec.hidden_size,
+            "num_experts": spec.num_experts,
+            "top_k": spec.top_k,
+            "moe_ffn": spec.moe_ffn_size,
+            "num_heads": spec.num_heads,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+            "num_layers": spec.num_layers,
+            "vocab_size": spec.vocab_size,
+        },
+        "attention": [],
+        "experts": [],
+        "overlap": [],
+        "steps": [],
+        "skipped": [],
+        "errors": [],
+        "meta": {
+            "args": vars(args),
+            "torch": torch.__version__,
+            "cuda_graphs": device.type == "cuda" and not args.eager,
+        },
+    }
+
+
+# --------------------------------------------------------------------------------------------- output
+def print_tables(out: dict) -> None:
+    attention = {(r["batch"], r["context"]): r["ms"] for r in out["attention"]}
+    batches = sorted({b for b, _ in attention})
+    contexts = sorted({c for _, c in attention})
+    print("\nattention ms per layer (rows: batch, columns: context)")
+    print("| batch | " + " | ".join(str(c) for c in contexts) + " |\n|---|" + "---|" * len(contexts))
+    for b in batches:
+        cells = (f"{attention[b, c]:.3f}" if (b, c) in attention else "-" for c in contexts)
+        print(f"| {b} | " + " | ".join(cells) + " |")
+    paths = out["meta"].get("expert_paths", {})
+    print("\n| expert tokens | ms | path |\n|---|---|---|")
+    for r in out["experts"]:
+        print(f"| {r['tokens']} | {r['ms']:.3f} | {paths.get(r['tokens'], '-')} |")
+    print("\n| batch | context | tokens | attention ms | experts ms | sum ms | two streams ms | saved |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in out["overlap"]:
+        saved = 1 - r["two_streams_ms"] / r["sum_ms"]
+        print(
+            f"| {r['batch']} | {r['context']} | {r['tokens']} | {r['attention_ms']:.3f} | {r['experts_ms']:.3f} | "
+            f"{r['sum_ms']:.3f} | {r['two_streams_ms']:.3f} | {100 * saved:.0f}% |"
+        )
+    print("\n| layout | layers | batch | context | step ms |\n|---|---|---|---|---|")
+    for r in out["steps"]:
+        print(f"| {r['layout']} | {r['num_layers']} | {r['batch']} | {r['context']} | {r['step_ms']:.2f} |")
+    errors = out["errors"] + [
+        {"section": k[: -len("_error")], "error": v} for k, v in out.items() if k.endswith("_error")
+    ]
+    print(f"\n{len(out['skipped'])} points skipped, {len(errors)} errors")
+    for e in errors:
+        print(f"  {e}")
+
+
+def overlap_points(text: str) -> list[tuple[int, int, int]]:
+    """batch:context:tokens,... (a command-line option)."""
+    return [tuple(int(x) for x in p.split(":")) for p in text.split(",") if p]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", action="store_true", help="measure and write the profile JSON")
+    ap.add_argument("--tiny", action="store_true", help="toy shapes on the CPU (smoke test of the script)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batches", type=int_list, default=[1, 8, 32, 64, 128, 256])
+    ap.add_argument("--contexts", type=int_list, default=[1024, 4096, 13312])
+    ap.add_argument("--expert-tokens", type=int_list, default=[1, 8, 32, 64, 128, 256, 512, 1024, 2048])
+    ap.add_argument(
+        "--overlap",
+        type=overlap_points,
+        default=overlap_points("32:4096:256,64:4096:512,128:13312:1024,256:4096:2048"),
+        help="batch:context:tokens points of the overlap section",
+    )
+    ap.add_argument("--step-layers", type=int, default=4)
+    ap.add_argument("--step-batches", type=int_list, default=[1, 32, 256])
+    ap.add_argument("--step-contexts", type=int_list, default=[4096, 13312])
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--eager", action="store_true", help="time op by op (no CUDA graphs)")
+    ap.add_argument("--time-budget-s", type=float, default=200.0, help="points starting later are skipped")
+    add_bandwidth_arg(ap)
+    ap.add_argument("--json", default="bench/out/rollout_disagg_profile.json")
+    if ap.parse_known_args(argv)[0].tiny:
+        ap.set_defaults(**TINY_ARGS)
+    args = ap.parse_args(argv)
+    if not args.profile:
+        ap.error("nothing to do: pass --profile")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    base = TINY if args.tiny else QWEN3_30B_A3B
+    t0 = time.monotonic()
+    resolve_bandwidth(args, device)
+    run = Recorder(new_profile(args, base, device), args.time_budget_s)
+    with torch.inference_mode():
+        try:
+            layer_sections(run, args, base, device, dtype)
+        except Exception as err:  # the layer engine could not be built: the steps may still run
+            traceback.print_exc()
+            run.out["errors"].append(
+                {"section": "attention,experts,overlap", "error": f"{type(err).__name__}: {err}"}
+            )
+            free_memory()
+        section("steps", lambda: steps_section(run, args, base, device, dtype), run.out)
+    run.out["meta"]["seconds"] = time.monotonic() - t0
+    save(run.out, args.json)
+    print_tables(run.out)
+    return run.out
+
+
+if __name__ == "__main__":
+    main()
