@@ -1,13 +1,16 @@
-"""MegaScale-Infer's disaggregated expert parallelism for the rollout engine: attention workers and expert
+"""MegaScale-Infer's disaggregated expert parallelism for the rollout engine: M attention workers and N expert
 workers, with ping-pong micro-batches between them.
 
-An attention worker (`DisaggregatedEngine`) is the rollout engine without experts: it owns the requests, the
+An attention worker (`DisaggregatedEngine`) is the rollout engine without experts: it owns its requests, the
 KV cache, the router, sampling and routing capture, and the dense tensors; expert workers (`ExpertWorker`) each
-hold a contiguous range of every MoE layer's experts and nothing else. Per MoE layer and micro-batch there are
-two transfers over torch.distributed point-to-point on an explicit process group (gloo on CPU, NCCL on GPUs):
-dispatch (the attention worker sends the post-attention hidden states, router weights and expert ids of the
-micro-batch's tokens to every expert worker) and combine (each expert worker returns its experts' weighted sum
-in fp32; the attention worker adds the partial sums to the residual and rounds once).
+hold a contiguous range of every MoE layer's experts and nothing else, and serve every attention worker. Per MoE
+layer and micro-batch there are two transfers over torch.distributed point-to-point on an explicit process
+group (gloo on CPU, NCCL on GPUs): dispatch (an attention worker sends the post-attention hidden states, router
+weights and expert ids of the micro-batch's tokens to every expert worker) and combine (each expert worker
+returns its experts' weighted sum in fp32; the attention worker adds the partial sums to the residual and rounds
+once). An expert worker gathers micro-batch j of the same step number from every attention worker still
+generating into one batch (the M-to-N aggregation that makes the expert GEMMs larger than any one attention
+worker's batch), and answers each its rows.
 
 Ping-pong (MegaScale-Infer section 4.1): a step's sequences are split into m micro-batches; the attention worker
 runs layer l of micro-batch j+1 while the expert workers run layer l of micro-batch j, and layer l+1 of
@@ -18,9 +21,10 @@ m T_f >= 2 (T_f + T_c) (m >= 3 once T_c < T_f / 2, else m >= 4), and a step over
     T_total = (T_a + T_e + 2 T_c) + T_f (m L - 1).
 
 Both sides walk the (MoE layer, micro-batch) pairs in the same order, so messages between two ranks match
-by order alone (no tags; NCCL ignores them). A step opens with a header (its micro-batches' token counts), a
-generate call closes with an END header, which returns the expert workers' `serve`. Steps run eagerly (no CUDA
-graphs: the transfers sit between the layers). This layout serves one attention worker per expert group.
+by order alone (no tags; NCCL ignores them). A step opens with a header (its micro-batches' token counts), an
+attention worker's generate call closes with an END header; the expert workers' `serve` returns once every
+attention worker has ended. Attention workers need not take the same number of steps: a finished one simply
+drops out of the gather. Steps run eagerly (no CUDA graphs: the transfers sit between the layers).
 
 Legend: T tokens of a micro-batch, H hidden, K top-k, E experts of a worker, L MoE layers.
 """
@@ -55,18 +59,20 @@ _HEADER = 2 + MAX_MICRO_BATCHES  # op, m, tokens of each micro-batch
 
 @dataclass(frozen=True)
 class Layout:
-    """Who is who in the process group: one attention rank and the expert ranks serving it (group ranks)."""
+    """Who is who in the process group: the attention ranks and the expert ranks serving all of them (group
+    ranks)."""
 
     group: dist.ProcessGroup | None  # None: the default group
-    attention_rank: int
+    attention_ranks: tuple[int, ...]
     expert_ranks: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if not self.expert_ranks:
-            raise ValueError("disaggregated layout: expected at least one expert worker")
-        if self.attention_rank in self.expert_ranks or len(set(self.expert_ranks)) != len(self.expert_ranks):
+        if not self.attention_ranks or not self.expert_ranks:
+            raise ValueError("disaggregated layout: expected at least one attention and one expert worker")
+        ranks = self.attention_ranks + self.expert_ranks
+        if len(set(ranks)) != len(ranks):
             raise ValueError(
-                f"disaggregated layout: attention rank {self.attention_rank} and expert ranks "
+                f"disaggregated layout: attention ranks {self.attention_ranks} and expert ranks "
                 f"{self.expert_ranks} must be distinct"
             )
 
@@ -77,25 +83,29 @@ class Layout:
 
 @dataclass(frozen=True)
 class DisaggSeat:
-    """A rollout worker's place in its replica: rank 0 the attention worker (experts None), ranks 1.. the expert
-    workers with their expert ranges; the replica's ranks rendezvous at init_method (its own default group)."""
+    """A rollout worker's place in the layout: ranks [0, num_attention) the attention workers (experts None),
+    the rest the expert workers with their expert ranges; all rendezvous at init_method (their default group)."""
 
     rank: int
     world_size: int
+    num_attention: int
     init_method: str
     experts: range | None = None
 
     @property
     def layout(self) -> Layout:
-        return Layout(group=None, attention_rank=0, expert_ranks=tuple(range(1, self.world_size)))
+        a = self.num_attention
+        return Layout(None, tuple(range(a)), tuple(range(a, self.world_size)))
 
 
-def replica_seats(num_experts: int, expert_workers: int, init_method: str) -> list[DisaggSeat]:
-    """The seats of one replica: the attention worker, then one expert worker per expert range."""
-    world = 1 + expert_workers
+def layout_seats(
+    num_experts: int, attention_workers: int, expert_workers: int, init_method: str
+) -> list[DisaggSeat]:
+    """The seats of a deployment: the attention workers, then one expert worker per expert range."""
+    world, a = attention_workers + expert_workers, attention_workers
     ranges = expert_ranges(num_experts, expert_workers)
-    return [DisaggSeat(0, world, init_method)] + [
-        DisaggSeat(w + 1, world, init_method, held) for w, held in enumerate(ranges)
+    return [DisaggSeat(r, world, a, init_method) for r in range(a)] + [
+        DisaggSeat(a + w, world, a, init_method, held) for w, held in enumerate(ranges)
     ]
 
 
@@ -400,41 +410,58 @@ class ExpertWorker:
         return (weights_TK[..., None] * y_TKH).sum(1)
 
     def serve(self) -> ServeStats:
-        """Answer the attention worker's dispatches until it ends its generate call."""
+        """Answer the attention workers' dispatches until every one has ended its generate call. Step k of
+        every attention worker still generating is served together: micro-batch j of each (those with at least
+        j + 1) gathered into one batch per MoE layer."""
         stats = ServeStats()
+        active = list(self.layout.attention_ranks)
         sent: list[Sent] = []
         with torch.inference_mode():
-            while True:
-                header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-                _recv_into(header, self.layout.attention_rank, self.layout).wait()
-                op, m = int(header[0]), int(header[1])
-                if op == END:
+            while active:
+                sizes = {rank: self._header(rank) for rank in active}
+                active = [rank for rank in active if sizes[rank] is not None]
+                if not active:
                     break
-                if op != STEP:
-                    raise RuntimeError(f"expert worker: unknown header op {op} (a protocol bug)")
-                sizes = header[2 : 2 + m].tolist()
                 stats.steps += 1
                 for i in range(len(self.moe_layers)):
-                    for t in sizes:
+                    for j in range(max(len(sizes[rank]) for rank in active)):
+                        part = {rank: sizes[rank][j] for rank in active if j < len(sizes[rank])}
                         for done in sent:
                             done.wait()
-                        sent = [self._answer(i, t)]
+                        sent = self._answer(i, part)
                         stats.dispatches += 1
-                        stats.tokens += t
+                        stats.tokens += sum(part.values())
             for done in sent:
                 done.wait()
         return stats
 
-    def _answer(self, i: int, num_tokens: int) -> Sent:
-        """Receive one dispatch of layer i (num_tokens tokens), send back the partial sum."""
-        s, src = self.spec, self.layout.attention_rank
+    def _header(self, rank: int) -> list[int] | None:
+        """The token counts of an attention worker's next step's micro-batches, or None when it ended."""
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        _recv_into(header, rank, self.layout).wait()
+        op, m = int(header[0]), int(header[1])
+        if op == END:
+            return None
+        if op != STEP:
+            raise RuntimeError(f"expert worker: unknown header op {op} from rank {rank} (a protocol bug)")
+        return header[2 : 2 + m].tolist()
+
+    def _answer(self, i: int, tokens: dict[int, int]) -> list[Sent]:
+        """Receive one dispatch of layer i from each attention rank (tokens[rank] rows), compute their partial
+        sums in one batch, send each rank its rows."""
+        s = self.spec
         dtype = self.moe_layers[i].gate_up_EFH.dtype
-        h_TH = torch.empty(num_tokens, s.hidden_size, dtype=dtype, device=self.device)
-        weights_TK = torch.empty(num_tokens, s.top_k, dtype=torch.float32, device=self.device)
-        ids_TK = torch.empty(num_tokens, s.top_k, dtype=torch.int32, device=self.device)
-        for work in [_recv_into(t, src, self.layout) for t in (h_TH, weights_TK, ids_TK)]:
+        t = sum(tokens.values())
+        h_TH = torch.empty(t, s.hidden_size, dtype=dtype, device=self.device)
+        weights_TK = torch.empty(t, s.top_k, dtype=torch.float32, device=self.device)
+        ids_TK = torch.empty(t, s.top_k, dtype=torch.int32, device=self.device)
+        works, bounds = [], [0, *itertools.accumulate(tokens.values())]
+        for rank, lo, hi in zip(tokens, bounds, bounds[1:]):
+            works += [_recv_into(x[lo:hi], rank, self.layout) for x in (h_TH, weights_TK, ids_TK)]
+        for work in works:
             work.wait()
-        return Sent(self.partial(i, h_TH, weights_TK, ids_TK), src, self.layout)
+        partial_TH = self.partial(i, h_TH, weights_TK, ids_TK)
+        return [Sent(partial_TH[lo:hi], rank, self.layout) for rank, lo, hi in zip(tokens, bounds, bounds[1:])]
 
 
 def split_weights(

@@ -1,5 +1,5 @@
-"""Rank functions of the disaggregated-layout tests (importable by the worker processes): rank 0 is the
-attention worker, ranks 1.. the expert workers, over gloo."""
+"""Rank functions of the disaggregated-layout tests (importable by the worker processes): ranks [0, A) are the
+attention workers, the rest the expert workers, over gloo."""
 
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ from rollout.model_spec import MoeModelSpec
 from rollout.weights import iter_checkpoint
 
 
-def layout_of(world: int) -> Layout:
-    return Layout(group=None, attention_rank=0, expert_ranks=tuple(range(1, world)))
+def share(items: list, rank: int, num_attention: int) -> list:
+    """Attention worker `rank`'s requests: every num_attention-th, from its rank on."""
+    return items[rank::num_attention]
 
 
 def disagg_rank(
     rank: int,
+    num_attention: int,
     ckpt: str,
     config: RolloutConfig,
     prompts: list[list[int]],
@@ -27,22 +29,23 @@ def disagg_rank(
     window: int,
     sync_ckpt: str | None,
 ):
-    """Three generate calls: the prompts, a T-PPO continuation of each (prompt + tokens, `window` more), and
-    after a weight sync from `sync_ckpt` (when given) the prompts again. Rank 0 returns the outputs and the
-    engine's stats; expert ranks return their serve stats."""
+    """Three generate calls on each attention worker (its share of the prompts): the prompts, a T-PPO
+    continuation of each (prompt + tokens, `window` more), and after a weight sync from `sync_ckpt` (when given)
+    the prompts again. Attention ranks return their outputs and stats; expert ranks their serve stats."""
     world = int(os.environ["WORLD_SIZE"])
     init_group(rank, world, "env://", timeout_s=60)
-    layout = layout_of(world)
+    layout = Layout(None, tuple(range(num_attention)), tuple(range(num_attention, world)))
     spec = MoeModelSpec.from_pretrained(ckpt)
-    ranges = expert_ranges(spec.num_experts, world - 1)
+    ranges = expert_ranges(spec.num_experts, world - num_attention)
     sync = split_weights(iter_checkpoint(sync_ckpt), ranges) if sync_ckpt else None
     try:
-        if rank == 0:
-            return _attention(ckpt, layout, config, prompts, params, window, sync)
-        worker = ExpertWorker.from_pretrained(ckpt, ranges[rank - 1], layout)
+        if rank < num_attention:
+            mine = share(prompts, rank, num_attention), share(params, rank, num_attention)
+            return _attention(ckpt, layout, config, *mine, window, sync)
+        worker = ExpertWorker.from_pretrained(ckpt, ranges[rank - num_attention], layout)
         served = [worker.serve(), worker.serve()]
         if sync is not None:
-            worker.load_weights(sync[1][rank - 1])
+            worker.load_weights(sync[1][rank - num_attention])
             served.append(worker.serve())
         return served
     finally:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from disagg_workers import disagg_rank
+from disagg_workers import disagg_rank, share
 from rollout_testlib import save_tiny_model
 
 from rollout import RolloutEngine, SamplingParams
@@ -80,37 +80,46 @@ def _replica_runs(ckpt, sync_ckpt, config, prompts, params, window):
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("expert_workers", "micro_batches", "tight", "sync"),
+    ("attention_workers", "expert_workers", "micro_batches", "tight", "sync"),
     [
-        pytest.param(1, 1, False, False, id="1-expert-worker-m1"),
-        pytest.param(2, 2, False, True, id="2-expert-workers-m2-sync"),
+        pytest.param(1, 1, 1, False, False, id="1-to-1-m1"),
+        pytest.param(1, 2, 2, False, True, id="1-to-2-m2-sync"),
         # 5 blocks of 16 positions for 4 rows that grow to 2-4 blocks each: the youngest rows are preempted
-        pytest.param(2, 3, True, False, id="2-expert-workers-m3-preemption"),
+        pytest.param(1, 2, 3, True, False, id="1-to-2-m3-preemption"),
+        # two attention workers with unequal shares (4 and 3 requests): different step counts
+        pytest.param(2, 2, 2, False, True, id="2-to-2-m2-sync"),
     ],
 )
-def test_disaggregated_equals_the_replica_engine(ckpts, expert_workers, micro_batches, tight, sync):
+def test_disaggregated_equals_the_replica_engine(
+    ckpts, attention_workers, expert_workers, micro_batches, tight, sync
+):
     ckpt, other = ckpts
     prompts, params = _workload((30, 25, 30, 28, 30, 25, 20) if tight else (9, 17, 5, 12, 20, 7, 14))
     room = dict(max_model_len=80, kv_cache_tokens=80, max_batch_size=4) if tight else {}
     config = _config(micro_batches=micro_batches, **room)
     sync_ckpt = str(other) if sync else None
+    a = attention_workers
     ranks = run_ranks(
-        disagg_rank, 1 + expert_workers, str(ckpt), config, prompts, params, 6, sync_ckpt, timeout_s=240
+        disagg_rank, a + expert_workers, a, str(ckpt), config, prompts, params, 6, sync_ckpt, timeout_s=240
     )
-    outs, stats = ranks[0]
-    want = _replica_runs(ckpt, sync_ckpt, config, prompts, params, 6)
-    assert len(outs) == len(want) == (3 if sync else 2)
-    for got_run, want_run in zip(outs, want):
-        for a, b in zip(got_run, want_run, strict=True):
-            _assert_same(a, b)
-    first = stats[0]
-    assert first.num_mixed_steps > 0
-    assert (sum(s.num_preemptions for s in stats) > 0) == tight
-    # every expert worker answered every (step, MoE layer, micro-batch): 2 of the 3 layers are MoE
-    for served in ranks[1:]:
-        assert [s.steps for s in served] == [s.num_steps for s in stats]
-        assert all(s.dispatches >= 2 * s.steps for s in served)
-        assert all(s.dispatches <= 2 * s.steps * micro_batches for s in served)
+    for rank in range(a):
+        outs, stats = ranks[rank]
+        mine = share(prompts, rank, a), share(params, rank, a)
+        want = _replica_runs(ckpt, sync_ckpt, config, *mine, 6)
+        assert len(outs) == len(want) == (3 if sync else 2)
+        for got_run, want_run in zip(outs, want):
+            for got, wanted in zip(got_run, want_run, strict=True):
+                _assert_same(got, wanted)
+        assert stats[0].num_mixed_steps > 0
+        assert (sum(s.num_preemptions for s in stats) > 0) == tight
+    # every expert worker served every step of the longest attention worker, each MoE layer (2 of the 3 layers)
+    # and micro-batch, and every token of every attention worker's steps
+    steps = [[ranks[r][1][call].num_steps for r in range(a)] for call in range(len(ranks[0][1]))]
+    for served in ranks[a:]:
+        assert [s.steps for s in served] == [max(n) for n in steps]
+        assert all(2 * s.steps <= s.dispatches <= 2 * s.steps * micro_batches for s in served)
+    if a > 1:
+        assert any(len(set(n)) > 1 for n in steps)  # unequal step counts were served
 
 
 # ------------------------------------------------------------------------------------------- pieces
@@ -164,7 +173,7 @@ def test_expert_partials_sum_to_the_models_experts(ckpts):
     residual_TH = torch.randn(11, spec.hidden_size, generator=gen)
     weights_TK, ids_TK = engine.model.route(layer, h_TH)
     want_TH = engine.model.experts(layer, h_TH, weights_TK, ids_TK, residual_TH)
-    layout = Layout(group=None, attention_rank=0, expert_ranks=(1, 2, 3))
+    layout = Layout(group=None, attention_ranks=(0,), expert_ranks=(1, 2, 3))
     for n in (1, 2, 4, spec.num_experts):
         workers = [ExpertWorker.from_pretrained(ckpt, r, layout) for r in expert_ranges(spec.num_experts, n)]
         got_TH = residual_TH + sum(w.partial(0, h_TH, weights_TK, ids_TK.int()) for w in workers)
@@ -199,10 +208,10 @@ def test_partial_weights_load_only_what_the_worker_holds(ckpts):
 
 
 def test_bad_layouts_and_settings_are_refused():
-    with pytest.raises(ValueError, match="at least one expert worker"):
-        Layout(group=None, attention_rank=0, expert_ranks=())
+    with pytest.raises(ValueError, match="at least one attention and one expert worker"):
+        Layout(group=None, attention_ranks=(0,), expert_ranks=())
     with pytest.raises(ValueError, match="must be distinct"):
-        Layout(group=None, attention_rank=1, expert_ranks=(1, 2))
+        Layout(group=None, attention_ranks=(0, 1), expert_ranks=(1, 2))
     with pytest.raises(ValueError, match="9 expert workers for 8 experts"):
         expert_ranges(8, 9)
     assert [len(r) for r in expert_ranges(8, 3)] == [2, 3, 3]

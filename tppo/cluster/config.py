@@ -25,10 +25,10 @@ class ClusterConfig:
     rollout_layout: str = spec(
         "replicas",
         choices=("replicas", "disaggregated"),
-        help="replicas: every engine holds the whole model; disaggregated (MegaScale-Infer): each engine holds "
-        "attention, KV and router, and cluster.expert_workers more processes hold its experts",
+        help="replicas: every engine holds the whole model; disaggregated (MegaScale-Infer): the engines hold "
+        "attention, KV and router, and cluster.expert_workers more processes hold the experts for all of them",
     )
-    expert_workers: int = spec(1, ge=1, help="expert workers per engine in the disaggregated layout")
+    expert_workers: int = spec(1, ge=1, help="processes holding the experts in the disaggregated layout")
     offload: str = spec(
         "auto",
         choices=("auto", "on", "off"),
@@ -38,9 +38,9 @@ class ClusterConfig:
 
     @property
     def rollout_ranks(self) -> int:
-        """Rollout processes: the engines, and in the disaggregated layout their expert workers."""
-        per_engine = 1 + self.expert_workers if self.rollout_layout == "disaggregated" else 1
-        return self.rollout_workers * per_engine
+        """Rollout processes: the engines, and in the disaggregated layout the expert workers."""
+        experts = self.expert_workers if self.rollout_layout == "disaggregated" else 0
+        return self.rollout_workers + experts
 
     @property
     def time_shared(self) -> bool:

@@ -11,7 +11,6 @@ run with a message that names the role and rank, never a hang: every remote call
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ import numpy as np
 
 from relibra.plan import Plan
 from rollout.config import RolloutConfig
-from rollout.disagg import DisaggSeat, replica_seats, split_weights
+from rollout.disagg import DisaggSeat, layout_seats, split_weights
 from rollout.engine import GenerateStats
 from rollout.model_spec import MoeModelSpec
 from rollout.params import SamplingParams
@@ -137,8 +136,8 @@ def start_group(
 @dataclass
 class Rollout:
     """The rollout engines: generation is split over them, weights go to all of them. In the disaggregated
-    layout (`seats` given) the engines are the attention workers; the expert workers serve their replica's
-    attention worker during each generate call and receive only their experts' weights."""
+    layout (`seats` given) the engines are the attention workers; the expert workers serve all of them during
+    each generate call and receive only their experts' weights."""
 
     ranks: RankGroup
     seats: list[DisaggSeat] | None = None
@@ -216,22 +215,15 @@ def start_rollout(
 ) -> Rollout:
     """The rollout engines, each in its own process, built from an HF directory (the policy's export); waits
     until all are built (or fails with a message naming the role). With `expert_workers` (the disaggregated
-    layout) every engine is an attention worker followed by its expert workers, each replica a process group of
-    its own."""
+    layout) the engines are attention workers that share that many expert workers, one process group."""
     args = (str(hf_dir), device, dtype, rollout_cfg, 1 if device == "cpu" else None)
     if not expert_workers:
         return Rollout(start_group("rollout", RolloutWorker, [args] * num_workers, remote, placement))
     num_experts = MoeModelSpec.from_pretrained(hf_dir).num_experts
-    with contextlib.ExitStack() as ports:
-        seats = [
-            seat
-            for _ in range(num_workers)
-            for seat in replica_seats(
-                num_experts, expert_workers, f"tcp://127.0.0.1:{ports.enter_context(reserved_port())}"
-            )
-        ]
+    with reserved_port() as port:
+        seats = layout_seats(num_experts, num_workers, expert_workers, f"tcp://127.0.0.1:{port}")
         group = start_group("rollout", RolloutWorker, [(*args, seat) for seat in seats], remote, placement)
-        group.call(RolloutWorker.ready)  # every replica joined: its port may be released
+        group.call(RolloutWorker.ready)  # every worker joined: the port may be released
     return Rollout(group, seats)
 
 

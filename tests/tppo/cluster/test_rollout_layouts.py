@@ -1,4 +1,4 @@
-"""The driver's Rollout handle over the disaggregated layout on Ray (two engines, each with two expert workers
+"""The driver's Rollout handle over the disaggregated layout on Ray (two engines sharing two expert workers,
 over gloo): the same generate and load_weights calls give the replica engines' outputs; each expert worker gets
 only its experts' tensors; settings that cannot work are refused with both named."""
 
@@ -56,7 +56,7 @@ def test_disaggregated_rollout_equals_replicas(tmp_path):
 
 def test_disaggregated_layout_counts_and_rules():
     cluster = ClusterConfig(rollout_workers=2, rollout_layout="disaggregated", expert_workers=3)
-    assert cluster.rollout_ranks == 8 and len(layout(cluster).seats["rollout"]) == 8
+    assert cluster.rollout_ranks == 5 and len(layout(cluster).seats["rollout"]) == 5
     assert compose("train", ["cluster.rollout_layout=disaggregated"]).cluster.rollout_ranks == 2
     gpus = ["cluster.gpus_per_node=8", "cluster.rollout_layout=disaggregated"]
     with pytest.raises(
