@@ -72,8 +72,8 @@ from rollout.config import RolloutConfig
 from rollout.kv_cache import available_bytes
 from rollout.model import StepBatch
 from rollout.model_spec import MoeModelSpec
-from rollout.paged_attention import AttentionBatch, decode_splits
-from rollout.runner import CACHE_ROW, POSITION, SEQ, TOKEN, StepInputs
+from rollout.paged_attention import decode_splits
+from rollout.runner import TOKEN, StepInputs, step_batch
 from rollout.weights import allocate
 
 SCHEMA = "rollout-profile/1"
@@ -131,7 +131,7 @@ class LayerProfile(Layer):
         released on exit."""
         with decode_step(self.engine, batch, at_context(context)) as inputs:
             self.engine.cache.sync_table()
-            yield step_batch(self.engine, inputs, seed)
+            yield decode_batch(self.engine, inputs, seed)
 
     def attention(
         self, step: StepBatch, x_TH: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor
@@ -162,23 +162,16 @@ def at_context(context: int, repeats: int = 0) -> argparse.Namespace:
     return argparse.Namespace(prompt_len=context, new_tokens=0, repeats=repeats)
 
 
-def step_batch(engine: RolloutEngine, inputs: StepInputs, seed: int) -> StepBatch:
-    """The device batch of a decode-only step, as the runner builds it (no prefill tiles, its split-K rule)."""
+def decode_batch(engine: RolloutEngine, inputs: StepInputs, seed: int) -> StepBatch:
+    """The device batch of a decode-only step with random tokens, as the runner builds it (no prefill tiles, its
+    split-K rule)."""
     tokens_T4 = inputs.tokens_T4.copy()
     tokens_T4[:, TOKEN] = np.random.default_rng(seed).integers(0, engine.spec.vocab_size, len(tokens_T4))
-    tok_T4 = torch.from_numpy(tokens_T4).to(engine.device)
     n = inputs.num_decode
-    no_tiles_Q = torch.zeros(0, dtype=torch.int32, device=engine.device)
-    attention = AttentionBatch(
-        seq_T=tok_T4[:, SEQ].to(torch.int32),
-        pos_T=tok_T4[:, POSITION].to(torch.int32),
-        num_decode=n,
-        tile_start_Q=no_tiles_Q,
-        tile_len_Q=no_tiles_Q,
-        num_splits=decode_splits(n, engine.spec.num_kv_heads, engine.runner.num_sms),
-    )
+    splits = decode_splits(n, engine.spec.num_kv_heads, engine.runner.num_sms)
+    no_tiles_2Q = torch.zeros(2, 0, dtype=torch.int32, device=engine.device)
     sample_S = torch.arange(n, device=engine.device)
-    return StepBatch(tok_T4[:, TOKEN], tok_T4[:, POSITION], tok_T4[:, CACHE_ROW], attention, sample_S)
+    return step_batch(torch.from_numpy(tokens_T4).to(engine.device), no_tiles_2Q, n, splits, sample_S)
 
 
 # --------------------------------------------------------------------------------------------- timing
