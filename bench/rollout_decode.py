@@ -40,32 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rollout import RolloutEngine, SamplingParams
 from rollout.config import RolloutConfig
 from rollout.engine import StepTrace
+from rollout.plan.hardware import MODEL_PRESETS
 from rollout.runner import CACHE_ROW, POSITION, SEQ, StepInputs
 
-QWEN3_30B_A3B = dict(
-    architectures=["Qwen3MoeForCausalLM"],
-    model_type="qwen3_moe",
-    vocab_size=151936,
-    hidden_size=2048,
-    intermediate_size=6144,
-    moe_intermediate_size=768,
-    num_hidden_layers=48,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    num_experts=128,
-    num_experts_per_tok=8,
-    norm_topk_prob=True,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    max_position_embeddings=40960,
-    tie_word_embeddings=False,
-    hidden_act="silu",
-    attention_bias=False,
-    eos_token_id=151645,
-)
+QWEN3_30B_A3B = MODEL_PRESETS["qwen3-30b-a3b"]  # the published config.json's widths and ids
 TINY = dict(
     QWEN3_30B_A3B,
     vocab_size=512,

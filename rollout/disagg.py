@@ -461,7 +461,9 @@ class ExpertWorker:
         for work in works:
             work.wait()
         partial_TH = self.partial(i, h_TH, weights_TK, ids_TK)
-        return [Sent(partial_TH[lo:hi], rank, self.layout) for rank, lo, hi in zip(tokens, bounds, bounds[1:])]
+        return [
+            Sent(partial_TH[lo:hi], rank, self.layout) for rank, lo, hi in zip(tokens, bounds, bounds[1:])
+        ]
 
 
 def split_weights(

@@ -1,0 +1,324 @@
+"""Per-layer times of one GPU: read from a profile JSON (`rollout-profile/1`, written by
+`bench/rollout_disagg.py --profile`) and fitted, or built from the roofline of a GPU preset.
+
+Fits (non-negative least squares on relative error, so that 0.05 ms and 5 ms points weigh alike and every slope
+stays >= 0, which keeps times monotone in the batch and the binary search of the planner exact):
+- attention: T_a(b, C) = a0 + a1 b + a2 b C. Decode attention reads each row's C cached positions (b C KV
+  bytes: the a2 term) and runs per-row projections, norms and the router (a1 b); a0 is the weight read and the
+  launch floor. With TP over g GPUs the row terms split (b / g; the KV term over min(g, KV heads)); a0 stays,
+  which is conservative.
+- experts, form "touched" (the default): T_e(t) = e0 + e1 D(t) + e2 t K with D(t) = E (1 - (1 - K/E)^t) the
+  experts t tokens touch: a fine-grained MoE re-reads nearly every expert per micro-batch, so the time follows
+  the weight bytes touched (e1) before the FLOPs (e2). Form "linear" is MegaScale-Infer's T_e = k3 t + k4.
+  A worker holding E_w of the E experts scales the D and t K terms by E_w / E (and by 1 / g under TP).
+
+Legend: b decode rows, C context, t tokens, E experts, K top-k, E_w experts of one worker, g TP degree.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from rollout.plan.hardware import GpuSpec, ModelShape
+from rollout.plan.perf import distinct_experts, roofline_ms
+
+SCHEMA = "rollout-profile/1"
+MODEL_KEYS = ("hidden_size", "num_experts", "top_k", "moe_ffn", "num_heads", "num_kv_heads", "head_dim")
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+EXPERT_FORMS = ("touched", "linear")
+
+
+@dataclass(frozen=True)
+class AttentionPoint:
+    batch: int
+    context: int
+    ms: float
+
+
+@dataclass(frozen=True)
+class ExpertPoint:
+    tokens: int
+    ms: float
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    layout: str
+    batch: int
+    context: int
+    num_layers: int
+    step_ms: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    source: str
+    device: str
+    copy_GBps: float | None
+    model: ModelShape
+    attention: tuple[AttentionPoint, ...]
+    experts: tuple[ExpertPoint, ...]
+    steps: tuple[StepPoint, ...]
+
+
+# ------------------------------------------------------------------------------------------- reading
+def load_profile(path: str | Path) -> Profile:
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"profile {path}: not JSON ({err})") from err
+    return parse_profile(data, str(path))
+
+
+def parse_profile(data: Any, where: str) -> Profile:
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        got = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"profile {where}: schema={got!r}; expected {SCHEMA!r}")
+    return Profile(
+        source=where,
+        device=str(data.get("device", "?")),
+        copy_GBps=data.get("copy_GBps"),
+        model=_model(data, where),
+        attention=tuple(
+            AttentionPoint(**_row(r, ("batch", "context", "ms"), "attention", i, where))
+            for i, r in enumerate(_list(data, "attention", where))
+        ),
+        experts=tuple(
+            ExpertPoint(**_row(r, ("tokens", "ms"), "experts", i, where))
+            for i, r in enumerate(_list(data, "experts", where))
+        ),
+        steps=tuple(_step(r, i, where) for i, r in enumerate(_list(data, "steps", where))),
+    )
+
+
+def _list(data: dict, key: str, where: str) -> list:
+    value = data.get(key, [])
+    if not isinstance(value, list):
+        raise ValueError(f"profile {where}: {key!r} is {type(value).__name__}; expected a list of rows")
+    return value
+
+
+def _row(row: Any, keys: tuple[str, ...], section: str, i: int, where: str) -> dict[str, Any]:
+    if not isinstance(row, dict):
+        raise ValueError(f"profile {where}: {section}[{i}] is not an object")
+    missing = [k for k in keys if k not in row]
+    if missing:
+        raise ValueError(f"profile {where}: {section}[{i}] lacks {missing}; expected keys {list(keys)}")
+    out = {k: float(row[k]) if k.endswith("ms") else int(row[k]) for k in keys}
+    if any(v <= 0 for v in out.values()):
+        raise ValueError(f"profile {where}: {section}[{i}] = {row}: values must be > 0")
+    return out
+
+
+def _step(row: Any, i: int, where: str) -> StepPoint:
+    nums = _row(row, ("batch", "context", "num_layers", "step_ms"), "steps", i, where)
+    layout = row.get("layout", "replicas")
+    if layout != "replicas":
+        raise ValueError(f"profile {where}: steps[{i}] layout={layout!r}; only 'replicas' steps are modelled")
+    return StepPoint(layout=layout, **nums)
+
+
+def _model(data: dict, where: str) -> ModelShape:
+    m = data.get("model")
+    if not isinstance(m, dict) or any(k not in m for k in MODEL_KEYS):
+        have = sorted(m) if isinstance(m, dict) else m
+        raise ValueError(f"profile {where}: 'model' = {have}; expected keys {list(MODEL_KEYS)}")
+    dtype = str(data.get("dtype", "bfloat16"))
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"profile {where}: dtype={dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
+    nbytes = DTYPE_BYTES[dtype]
+    return ModelShape(
+        name=f"profile:{Path(where).name}",
+        hidden_size=int(m["hidden_size"]),
+        num_experts=int(m["num_experts"]),
+        top_k=int(m["top_k"]),
+        moe_ffn=int(m["moe_ffn"]),
+        num_layers=int(m.get("num_layers", 1)),
+        num_heads=int(m["num_heads"]),
+        num_kv_heads=int(m["num_kv_heads"]),
+        head_dim=int(m["head_dim"]),
+        vocab_size=int(m.get("vocab_size", 0)),
+        weight_bytes=nbytes,
+        kv_bytes=nbytes,
+        act_bytes=nbytes,
+    )
+
+
+# ------------------------------------------------------------------------------------------- fitting
+def nnls(a_NP: np.ndarray, y_N: np.ndarray) -> np.ndarray:
+    """min ||A x - y|| subject to x >= 0, exactly, for the few (P <= 4) columns the fits have.
+
+    The optimum is the unconstrained least-squares solution on its own support (its positive set), so the best
+    non-negative solution over all 2^P supports is the answer."""
+    num_cols = a_NP.shape[1]
+    best, best_err = np.zeros(num_cols), float(np.sum(y_N**2))
+    for size in range(1, num_cols + 1):
+        for cols in itertools.combinations(range(num_cols), size):
+            sol = np.linalg.lstsq(a_NP[:, cols], y_N, rcond=None)[0]
+            if np.any(sol < 0):
+                continue
+            err = float(np.sum((a_NP[:, cols] @ sol - y_N) ** 2))
+            if err < best_err - 1e-15:
+                best, best_err = np.zeros(num_cols), err
+                best[list(cols)] = sol
+    return best
+
+
+def relative_nnls(a_NP: np.ndarray, y_N: np.ndarray) -> np.ndarray:
+    """NNLS on relative error: every row divided by its measured value."""
+    return nnls(a_NP / y_N[:, None], np.ones_like(y_N))
+
+
+def attention_features(batch: float, context: float) -> np.ndarray:
+    return np.array([1.0, batch, batch * context])
+
+
+def expert_features(tokens: float, num_experts: int, top_k: int, form: str) -> np.ndarray:
+    if form == "linear":
+        return np.array([1.0, 0.0, tokens * top_k])
+    return np.array([1.0, distinct_experts(tokens, num_experts, top_k), tokens * top_k])
+
+
+# ------------------------------------------------------------------------------------- layer time models
+class AttentionTime(Protocol):
+    def ms(self, batch: float, context: float, tp: int) -> float: ...
+
+
+class ExpertTime(Protocol):
+    def ms(self, tokens: float, num_local: int, tp: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class FittedAttention:
+    """T_a = a0 + a1 b / g + a2 b C / min(g, KV heads) (see the module docstring)."""
+
+    coef: tuple[float, float, float]
+    num_kv_heads: int
+
+    def ms(self, batch: float, context: float, tp: int) -> float:
+        a0, a1, a2 = self.coef
+        return a0 + a1 * batch / tp + a2 * batch * context / max(1, min(tp, self.num_kv_heads))
+
+
+@dataclass(frozen=True)
+class FittedExperts:
+    """T_e = e0 + (e1 D(t) + e2 t K) (E_w / E) / g (see the module docstring)."""
+
+    form: str
+    coef: tuple[float, float, float]
+    num_experts: int
+    top_k: int
+
+    def ms(self, tokens: float, num_local: int, tp: int) -> float:
+        e0, e1, e2 = self.coef
+        f = expert_features(tokens, self.num_experts, self.top_k, self.form)
+        return float(e0 + (e1 * f[1] + e2 * f[2]) * num_local / self.num_experts / tp)
+
+
+@dataclass(frozen=True)
+class RooflineAttention:
+    """Bytes: the layer's attention weights and b C cached K/V; FLOPs: 2 b (weights) + 4 b C (q width)."""
+
+    model: ModelShape
+    gpu: GpuSpec
+
+    def ms(self, batch: float, context: float, tp: int) -> float:
+        m = self.model
+        kv = batch * context * 2 * m.num_kv_heads * m.head_dim * m.kv_bytes / m.kv_shards(tp)
+        weights = m.attention_params_per_layer * m.weight_bytes / tp
+        flops = (
+            2 * batch * m.attention_params_per_layer + 4 * batch * context * m.num_heads * m.head_dim
+        ) / tp
+        return roofline_ms(weights + kv, flops, self.gpu.peak_flops, self.gpu.mem_bandwidth)
+
+
+@dataclass(frozen=True)
+class RooflineExperts:
+    """Bytes: the experts a micro-batch touches, D(t) E_w / E of them; FLOPs: 2 (3 h f) per routed token."""
+
+    model: ModelShape
+    gpu: GpuSpec
+
+    def ms(self, tokens: float, num_local: int, tp: int) -> float:
+        m = self.model
+        share = num_local / m.num_experts
+        touched = distinct_experts(tokens, m.num_experts, m.top_k) * share
+        flops = 2 * m.expert_params * tokens * m.top_k * share / tp
+        return roofline_ms(
+            touched * m.expert_params * m.weight_bytes / tp,
+            flops,
+            self.gpu.peak_flops,
+            self.gpu.mem_bandwidth,
+        )
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """What the planner reads: one layer's attention and expert times, the LM head, and where they came from."""
+
+    attention: AttentionTime
+    experts: ExpertTime
+    head_gpu: GpuSpec
+    source: str
+
+    def head_ms(self, model: ModelShape, batch: float, tp: int) -> float:
+        """LM head of one step (roofline: the V h weights read once, 2 b V h FLOPs), split over TP."""
+        params = model.vocab_size * model.hidden_size
+        return roofline_ms(
+            params * model.weight_bytes / tp,
+            2 * batch * params / tp,
+            self.head_gpu.peak_flops,
+            self.head_gpu.mem_bandwidth,
+        )
+
+
+def fit_attention(points: tuple[AttentionPoint, ...], num_kv_heads: int) -> FittedAttention:
+    if len(points) < 3:
+        raise ValueError(f"profile: {len(points)} attention rows; the fit a0 + a1 b + a2 b C needs >= 3")
+    a = np.stack([attention_features(p.batch, p.context) for p in points])
+    coef = relative_nnls(a, np.array([p.ms for p in points]))
+    return FittedAttention((float(coef[0]), float(coef[1]), float(coef[2])), num_kv_heads)
+
+
+def fit_experts(points: tuple[ExpertPoint, ...], model: ModelShape, form: str) -> FittedExperts:
+    if form not in EXPERT_FORMS:
+        raise ValueError(f"expert fit form={form!r}; expected one of {EXPERT_FORMS}")
+    if len(points) < 2:
+        raise ValueError(f"profile: {len(points)} experts rows; the fit needs >= 2")
+    a = np.stack([expert_features(p.tokens, model.num_experts, model.top_k, form) for p in points])
+    coef = relative_nnls(a, np.array([p.ms for p in points]))
+    return FittedExperts(
+        form, (float(coef[0]), float(coef[1]), float(coef[2])), model.num_experts, model.top_k
+    )
+
+
+def analytic_times(model: ModelShape, gpu: GpuSpec) -> LayerTimes:
+    source = (
+        f"analytic roofline of {gpu.name} ({gpu.mem_bandwidth / 1e12:.2f} TB/s, {gpu.peak_flops / 1e12:.0f} "
+        f"TFLOP/s, {gpu.memory_bytes / 1e9:.0f} GB; no --profile): experts by weight bytes touched"
+    )
+    return LayerTimes(RooflineAttention(model, gpu), RooflineExperts(model, gpu), gpu, source)
+
+
+def fitted_times(profile: Profile, gpu: GpuSpec, form: str) -> LayerTimes:
+    """Fits of the profile; the LM head keeps the roofline, with the profile's copy bandwidth when it has one."""
+    attention = fit_attention(profile.attention, profile.model.num_kv_heads)
+    experts = fit_experts(profile.experts, profile.model, form)
+    head_gpu = gpu
+    if profile.copy_GBps:
+        head_gpu = GpuSpec(
+            gpu.name, gpu.peak_flops, profile.copy_GBps * 1e9, gpu.memory_bytes, gpu.nvlink_bandwidth
+        )
+    a0, a1, a2 = attention.coef
+    e0, e1, e2 = experts.coef
+    source = (
+        f"profile {profile.source} ({profile.device}): T_a = {a0:.4f} + {a1:.2e} b + {a2:.2e} b C ms; "
+        f"T_e ({form}) = {e0:.4f} + {e1:.2e} D(t) + {e2:.2e} t K ms"
+    )
+    return LayerTimes(attention, experts, head_gpu, source)

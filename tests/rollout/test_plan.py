@@ -1,0 +1,550 @@
+"""The deployment planner (rollout.plan): the papers' worked numbers, Algorithm 1 against a brute force, the
+monotonicity the search relies on, the fits, the CLI end to end and its errors. CPU only, numpy only."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from rollout.plan.__main__ import main
+from rollout.plan.hardware import GB, GpuSpec, ModelShape, gpu_preset, model_preset
+from rollout.plan.perf import (
+    compute_bound_batch,
+    distinct_experts,
+    expected_tiles,
+    gemm_mfu,
+    hit_probability,
+    min_micro_batches,
+    paper_iteration_ms,
+    pingpong_check,
+    pingpong_iteration_ms,
+    tiles,
+    tokens_per_expert,
+)
+from rollout.plan.profile import (
+    FittedAttention,
+    FittedExperts,
+    LayerTimes,
+    analytic_times,
+    fit_attention,
+    fit_experts,
+    nnls,
+    parse_profile,
+)
+from rollout.plan.search import (
+    Cluster,
+    Search,
+    Workload,
+    best_for_shape,
+    brute_force,
+    candidate_shapes,
+    search_plans,
+    with_latency,
+)
+
+TINY = ModelShape(
+    "tiny",
+    hidden_size=256,
+    num_experts=8,
+    top_k=2,
+    moe_ffn=512,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    vocab_size=1000,
+)
+TINY_GPU = GpuSpec("tiny-gpu", 100e12, 1e12, 0.06 * GB, 100 * GB)
+
+
+# ------------------------------------------------------------------------------- MegaScale-Infer section 2.3
+def test_section_2_3_compute_bound_batch_and_mixtral_expert_batch():
+    # The paper's inputs: an A100 at 312 TFLOP/s and 2 TB/s; Mixtral-8x22B routes top-2 of 8 experts.
+    assert compute_bound_batch(312e12, 2e12) == pytest.approx(156)
+    a100 = gpu_preset("a100")
+    assert compute_bound_batch(a100.peak_flops, a100.mem_bandwidth) == pytest.approx(156)
+    mixtral = model_preset("mixtral-8x22b")
+    assert tokens_per_expert(156, mixtral.top_k, mixtral.num_experts) == pytest.approx(39)
+    assert gemm_mfu(39, 312e12, 2e12) == pytest.approx(0.25)
+
+
+def test_equation_8_boundary():
+    from rollout.plan.perf import kv_fits, max_kv_seqs
+
+    n = max_kv_seqs(1000, 2e3, 10e6, 50e6)  # (50 - 10) MB of room / 2 MB per sequence
+    assert n == 20
+    assert kv_fits(n, 1000, 2e3, 10e6, 50e6) and not kv_fits(n + 1, 1000, 2e3, 10e6, 50e6)
+    assert max_kv_seqs(1000, 2e3, 60e6, 50e6) == 0
+
+
+def test_fine_grained_experts_touch_nearly_all_weights():
+    qwen = model_preset("qwen3-30b-a3b")
+    assert distinct_experts(1, qwen.num_experts, qwen.top_k) == pytest.approx(8)
+    assert distinct_experts(64, qwen.num_experts, qwen.top_k) / qwen.num_experts > 0.98
+    assert hit_probability(1, 8, 2) == pytest.approx(1 - 21 / 28)
+    assert hit_probability(8, 8, 2) == 1.0
+
+
+# ------------------------------------------------------------------------------- MegaScale-Infer section 4.1
+def test_section_4_1_micro_batch_conditions():
+    rng = random.Random(0)
+    for _ in range(200):
+        t_f = rng.uniform(0.1, 5)
+        x = rng.uniform(0.01, 0.99)
+        m = min_micro_batches(t_f, x * t_f)
+        assert m == (3 if x < 0.5 else 4)
+        assert pingpong_check(t_f, t_f, x * t_f, m).pipeline_full
+        assert not pingpong_check(t_f, t_f, x * t_f, m - 1).pipeline_full
+    assert min_micro_batches(1.0, 0.0) == 2
+
+
+def test_section_4_1_iteration_time_hand_cases():
+    # T_a = 1, T_e = 2, T_c = 0.3, m = 3, L = 2: (1 + 2 + 0.6) + 2 (3 * 2 - 1) = 13.6
+    assert paper_iteration_ms(1, 2, 0.3, 3, 2) == pytest.approx(13.6)
+    assert pingpong_iteration_ms(1, 2, 0.3, 3, 2) == pytest.approx(13.6)
+    # m = 1: no overlap, L (T_a + T_e + 2 T_c)
+    assert pingpong_iteration_ms(1, 2, 0.3, 1, 2) == pytest.approx(7.2)
+    # m = 2 with T_c = 1: m T_f = 4 < 2 (T_f + T_c) = 6, so the round trip sets the period: 5 + 5 + 2 = 12
+    assert pingpong_iteration_ms(1, 2, 1.0, 2, 2) == pytest.approx(12.0)
+    assert paper_iteration_ms(1, 2, 1.0, 2, 2) < 12.0  # the paper's formula assumes its conditions
+
+
+def _simulate_pingpong(t_a: float, t_e: float, t_c: float, m: int, num_layers: int) -> float:
+    """Event loop: attention serves (layer, micro-batch) in order once the micro-batch is back; experts in order."""
+    attn_free = expert_free = 0.0
+    back = [0.0] * m
+    for _ in range(num_layers):
+        arrive = []
+        for j in range(m):
+            attn_free = max(attn_free, back[j]) + t_a
+            arrive.append(attn_free + t_c)
+        for j in range(m):
+            expert_free = max(expert_free, arrive[j]) + t_e
+            back[j] = expert_free + t_c
+    return back[-1]
+
+
+def test_iteration_time_equals_event_simulation():
+    rng = random.Random(1)
+    for _ in range(2000):
+        t = (rng.uniform(0.1, 2), rng.uniform(0.1, 2), rng.uniform(0, 2))
+        m, num_layers = rng.randint(1, 4), rng.randint(1, 6)
+        assert pingpong_iteration_ms(*t, m, num_layers) == pytest.approx(
+            _simulate_pingpong(*t, m, num_layers)
+        )
+        if pingpong_check(*t, m).pipeline_full:
+            assert paper_iteration_ms(*t, m, num_layers) == pytest.approx(
+                _simulate_pingpong(*t, m, num_layers)
+            )
+
+
+# ----------------------------------------------------------------------------------------- ExpertPlex tiles
+def test_tiles_hand_case_and_expectation():
+    assert tiles([0, 1, 16, 17, 64], 16) == 0 + 1 + 1 + 2 + 4
+    rng = np.random.default_rng(0)
+    num_experts, top_k, tokens = 16, 2, 100
+    draws = [
+        np.bincount(
+            np.concatenate([rng.choice(num_experts, top_k, replace=False) for _ in range(tokens)]),
+            minlength=num_experts,
+        )
+        for _ in range(400)
+    ]
+    mc = np.mean([tiles(d, 4) for d in draws])
+    assert expected_tiles(tokens, num_experts, top_k, 4) == pytest.approx(mc, rel=0.03)
+
+
+# --------------------------------------------------------------------------------------------------- fits
+def test_nnls_matches_lstsq_when_unconstrained_is_feasible_and_clips_otherwise():
+    rng = np.random.default_rng(0)
+    a = rng.uniform(0.5, 2, size=(20, 3))
+    y = a @ np.array([1.0, 2.0, 0.5])
+    assert nnls(a, y) == pytest.approx([1.0, 2.0, 0.5])
+    x = nnls(a, a @ np.array([1.0, -2.0, 0.5]))
+    assert np.all(x >= 0) and x[1] == 0
+
+
+def test_fits_recover_known_times():
+    attn = FittedAttention((0.02, 3e-4, 2e-7), 4)
+    points = [_apoint(b, c, attn.ms(b, c, 1)) for b in (1, 8, 64) for c in (512, 4096)]
+    assert fit_attention(tuple(points), 4).coef == pytest.approx(attn.coef, rel=1e-6)
+    exp = FittedExperts("touched", (0.05, 2e-3, 1e-5), TINY.num_experts, TINY.top_k)
+    epoints = [_epoint(t, exp.ms(t, TINY.num_experts, 1)) for t in (1, 2, 4, 16, 256, 4096)]
+    assert fit_experts(tuple(epoints), TINY, "touched").coef == pytest.approx(exp.coef, rel=1e-5)
+
+
+def _apoint(b, c, ms):
+    from rollout.plan.profile import AttentionPoint
+
+    return AttentionPoint(b, c, ms)
+
+
+def _epoint(t, ms):
+    from rollout.plan.profile import ExpertPoint
+
+    return ExpertPoint(t, ms)
+
+
+# -------------------------------------------------------------------------------- Algorithm 1 vs brute force
+def _random_search(seed: int, latency: bool = True) -> Search:
+    rng = random.Random(seed)
+    attn = FittedAttention(
+        (rng.uniform(0, 0.05), rng.uniform(0, 2e-3), rng.uniform(0, 5e-6)), TINY.num_kv_heads
+    )
+    exp = FittedExperts(
+        rng.choice(["touched", "linear"]),
+        (rng.uniform(0, 0.05), rng.uniform(0, 0.01), rng.uniform(0, 1e-3)),
+        TINY.num_experts,
+        TINY.top_k,
+    )
+    gpu = replace(TINY_GPU, memory_bytes=rng.uniform(0.04, 0.08) * GB)
+    times = LayerTimes(attn, exp, gpu, f"random {seed}")
+    cluster = Cluster(
+        rng.choice([2, 4, 6]),
+        gpu,
+        gpus_per_node=4,
+        nic_GBps=rng.uniform(1, 50),
+        link_latency_us=rng.uniform(0, 20),
+        dispatch=rng.choice(["all", "routed"]),
+    )
+    workload = Workload(rng.randint(16, 64), rng.randint(16, 64), rng.uniform(1.0, 4.0) if latency else None)
+    return Search(TINY, times, workload, cluster)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("layout", ["replicas", "disaggregated"])
+@pytest.mark.parametrize("exhaustive", [False, True])
+def test_algorithm_1_equals_brute_force(seed, layout, exhaustive):
+    s = _random_search(seed)
+    micro = (1, 2, 3, 4)
+    ref = brute_force(s, (layout,), micro, exhaustive)
+    if ref is None:
+        with pytest.raises(ValueError, match="no plan"):
+            search_plans(s, (layout,), micro, exhaustive)
+        return
+    best = search_plans(s, (layout,), micro, exhaustive)[0]
+    assert best.tokens_per_s_per_gpu == pytest.approx(ref.tokens_per_s_per_gpu, rel=1e-12)
+    assert best.batch == ref.batch
+
+
+def test_search_covers_both_layouts_and_n_a_balances():
+    s = _random_search(3, latency=False)
+    layouts = {p.shape.layout for p in search_plans(s, micro_choices=(3,))}
+    assert layouts == {"replicas", "disaggregated"}
+
+
+# ----------------------------------------------------------------------------------------- monotonicity
+@pytest.mark.parametrize("seed", range(4))
+def test_more_bandwidth_never_worse(seed):
+    s = _random_search(seed, latency=False)
+    last = 0.0
+    for nic, nvlink in [(1, 5), (5, 20), (25, 100), (100, 400)]:
+        c = replace(s.cluster, nic_GBps=nic, nvlink_GBps=nvlink)
+        best = search_plans(replace(s, cluster=c))[0].tokens_per_s_per_gpu
+        assert best >= last * (1 - 1e-12)
+        last = best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_looser_latency_never_smaller_batch(seed):
+    s = _random_search(seed, latency=False)
+    shapes = candidate_shapes(s, ("replicas", "disaggregated"), (3, 4))
+    last_batch = {sh: 0 for sh in shapes}
+    last_best = 0.0
+    for target in (0.5, 1.0, 2.0, 4.0, 8.0, None):
+        t = with_latency(s, target)
+        for sh in shapes:
+            p = best_for_shape(t, sh)
+            batch = p.batch if p else 0
+            assert batch >= last_batch[sh]
+            last_batch[sh] = batch
+        plans = [p for p in (best_for_shape(t, sh) for sh in shapes) if p]
+        best = max((p.tokens_per_s_per_gpu for p in plans), default=0.0)
+        assert best >= last_best
+        last_best = best
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def _profile_json(times: LayerTimes, model: ModelShape) -> dict:
+    """A rollout-profile/1 document whose rows come from `times` (+-3% noise), with steps to validate."""
+    rng = np.random.default_rng(0)
+    noise = lambda: float(rng.uniform(0.97, 1.03))  # noqa: E731
+    steps = [
+        {
+            "layout": "replicas",
+            "batch": b,
+            "context": c,
+            "num_layers": 4,
+            "step_ms": (
+                4 * (times.attention.ms(b, c, 1) + times.experts.ms(b, model.num_experts, 1))
+                + times.head_ms(model, b, 1)
+            )
+            * noise(),
+        }
+        for b in (8, 32)
+        for c in (512, 2048)
+    ]
+    return {
+        "schema": "rollout-profile/1",
+        "device": "synthetic",
+        "dtype": "bfloat16",
+        "copy_GBps": times.head_gpu.mem_bandwidth / 1e9,
+        "model": {
+            "hidden_size": model.hidden_size,
+            "num_experts": model.num_experts,
+            "top_k": model.top_k,
+            "moe_ffn": model.moe_ffn,
+            "num_heads": model.num_heads,
+            "num_kv_heads": model.num_kv_heads,
+            "head_dim": model.head_dim,
+            "num_layers": model.num_layers,
+            "vocab_size": model.vocab_size,
+        },
+        "attention": [
+            {"batch": b, "context": c, "ms": times.attention.ms(b, c, 1) * noise()}
+            for b in (1, 8, 32, 128)
+            for c in (256, 1024, 4096)
+        ],
+        "experts": [
+            {"tokens": t, "ms": times.experts.ms(t, model.num_experts, 1) * noise()}
+            for t in (1, 4, 16, 64, 256, 1024, 4096)
+        ],
+        "overlap": [],
+        "steps": steps,
+    }
+
+
+def test_cli_preset_end_to_end(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main(
+        [
+            "--model",
+            "qwen3-30b-a3b",
+            "--gpus",
+            "8",
+            "--gpu",
+            "h100",
+            "--prompt-len",
+            "1024",
+            "--output-len",
+            "4096",
+            "--latency-ms",
+            "40",
+            "--json",
+            str(out),
+        ]
+    )
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "analytic roofline" in text and "tokens/s per GPU" in text
+    data = json.loads(out.read_text())
+    assert data["plan"]["layout"] in ("replicas", "disaggregated")
+    assert data["plan"]["step_ms"] <= 40
+    assert data["plan"]["tokens_per_s_per_gpu"] > 0
+
+
+def test_cli_profile_plan_and_validate(tmp_path, capsys):
+    qwen = model_preset("qwen3-30b-a3b")
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps(_profile_json(analytic_times(qwen, gpu_preset("h200")), qwen)))
+    out = tmp_path / "plan.json"
+    assert main(["--profile", str(prof), "--gpus", "4", "--gpu", "h200", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"profile {prof}" in text and "T_e (touched)" in text
+    assert json.loads(out.read_text())["plan"]["batch"] > 0
+    check = tmp_path / "check.json"
+    assert main(["--profile", str(prof), "--gpu", "h200", "--validate", str(prof), "--json", str(check)]) == 0
+    rows = json.loads(check.read_text())["rows"]
+    assert len(rows) == 4 and all(r["ok"] for r in rows)
+    assert "4 of 4 rows within 15%" in capsys.readouterr().out
+
+
+def test_cli_reads_a_checkpoint_folder(tmp_path, capsys):
+    from rollout.plan.hardware import MODEL_PRESETS
+
+    (tmp_path / "config.json").write_text(json.dumps(MODEL_PRESETS["qwen3-30b-a3b"]))
+    assert main(["--model", str(tmp_path), "--gpus", "2", "--layout", "replicas"]) == 0
+    assert "replicas" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "no-such-model"], "unknown preset"),
+        (["--gpu", "tpu"], "--gpu 'tpu': unknown preset"),
+        (["--latency-ms", "0.01"], "no plan meets --latency-ms 0.01"),
+        (["--model", "mixtral-8x22b", "--gpus", "1"], "no plan fits memory"),
+        (["--micro-batches", "5"], "values must lie in 1..4"),
+    ],
+)
+def test_cli_errors_name_the_problem(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_rejects_a_wrong_profile(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "something-else/2"}))
+    assert main(["--profile", str(bad)]) == 2
+    assert "schema='something-else/2'; expected 'rollout-profile/1'" in capsys.readouterr().err
+    qwen = model_preset("qwen3-30b-a3b")
+    doc = _profile_json(analytic_times(qwen, gpu_preset("h100")), qwen)
+    del doc["attention"][2]["ms"]
+    bad.write_text(json.dumps(doc))
+    assert main(["--profile", str(bad)]) == 2
+    assert "attention[2] lacks ['ms']" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="'model'"):
+        parse_profile({"schema": "rollout-profile/1", "model": {"hidden_size": 1}}, "x.json")
+
+
+def test_profile_and_model_must_agree(tmp_path, capsys):
+    qwen = model_preset("qwen3-30b-a3b")
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps(_profile_json(analytic_times(qwen, gpu_preset("h100")), qwen)))
+    assert main(["--profile", str(prof), "--model", "mixtral-8x22b"]) == 2
+    assert "differ in" in capsys.readouterr().err
+
+
+def test_roofline_times_are_monotone_and_finite():
+    qwen = model_preset("qwen3-30b-a3b")
+    times = analytic_times(qwen, gpu_preset("h100"))
+    prev = 0.0
+    for t in (1, 8, 64, 512, 4096):
+        cur = times.experts.ms(t, qwen.num_experts, 1)
+        assert cur >= prev and math.isfinite(cur)
+        prev = cur
+    # the weight-read floor of one layer's 128 experts: 1.21 GB over 3.35 TB/s
+    assert times.experts.ms(256, qwen.num_experts, 1) == pytest.approx(
+        qwen.expert_bytes(qwen.num_experts) / qwen.num_layers / 3.35e12 * 1e3, rel=0.01
+    )
+
+
+# --------------------------------------------------------------------------------- ExpertPlex (--arch shared)
+def test_kernel_fit_recovers_equation_2():
+    from rollout.plan.shared import KernelFit, fit_kernel
+
+    true = KernelFit(0.01, 2e-3, 4e-6, 3e-9)
+    points = [(x, s, true.ms(x, s)) for x in (1, 4, 16, 64) for s in (0, 128, 1024, 8192)]
+    got = fit_kernel(points)
+    assert (got.alpha, got.beta, got.gamma, got.delta) == pytest.approx((0.01, 2e-3, 4e-6, 3e-9), rel=1e-6)
+
+
+def test_tile_sizes_match_the_persistent_kernel():
+    import re
+    from pathlib import Path
+
+    from rollout.plan.shared import TILE_M_DECODE, TILE_M_PREFILL
+
+    src = (Path(__file__).resolve().parents[2] / "rollout/kernels/persistent_moe.py").read_text()
+    assert int(re.search(r"^BLOCK_M_DECODE = (\d+)", src, re.M).group(1)) == TILE_M_DECODE
+    assert int(re.search(r"^BLOCK_M_PREFILL = (\d+)", src, re.M).group(1)) == TILE_M_PREFILL
+
+
+def test_goodput_is_the_slower_phase():
+    from rollout.plan.shared import goodput
+
+    # 16 prompts per 400 ms pass = 40 req/s; 300 rows at 20 ms per token for 1000 tokens = 15 req/s
+    assert goodput(1e3 * 16 / 400, 1e3 * 300 / (20 * 1000)) == pytest.approx(15.0)
+
+
+def _minimax_ctx():
+    from rollout.plan.shared import build_kernels, make_ctx
+
+    model = model_preset("minimax-m2")
+    gpu = gpu_preset("h800")
+    s = Search(model, analytic_times(model, gpu), Workload(1000, 1000), Cluster(8, gpu))
+    return make_ctx(s, build_kernels(s, None), tpot_ms=50.0, prefill_tokens=16384)
+
+
+def test_expertplex_shared_experts_beat_per_phase_replicas_under_drift():
+    """ExpertPlex's qualitative claim on its own model (MiniMax-M2 widths, fp8, 8 x H800): experts are ~98% of
+    the weights, so per-phase replicas fit only as 1 prefill + 1 decode instance of 4 GPUs, while the shared
+    pool holds the experts once and leaves whole GPUs to the attention pools. Deployed for 1000:1000 and kept
+    while the prompt:output mix drifts 16-fold either way, the shared layout gives more goodput everywhere."""
+    from rollout.plan.shared import drift_goodputs, optimize
+
+    c = _minimax_ctx()
+    assert c.model.expert_bytes(c.model.num_experts) / c.model.total_bytes > 0.95
+    best = optimize(c, ("shared", "pd-replicas"))
+    shared, pd = best["shared"], best["pd-replicas"]
+    assert shared is not None and pd is not None
+    assert (pd.layout.num_prefill, pd.layout.num_decode, pd.layout.instance_gpus) == (1, 1, 4)
+    assert shared.goodput > 1.5 * pd.goodput
+    demands = [(4000, 250), (2000, 500), (1000, 1000), (500, 2000), (250, 4000)]
+    table = drift_goodputs(c, best, demands)
+    assert all(s > p for s, p in zip(table["shared"], table["pd-replicas"]))
+    assert min(table["shared"]) > min(table["pd-replicas"])
+
+
+def test_cli_shared_end_to_end(tmp_path, capsys):
+    out = tmp_path / "shared.json"
+    rc = main(
+        [
+            "--arch",
+            "shared",
+            "--model",
+            "minimax-m2",
+            "--gpu",
+            "h800",
+            "--gpus",
+            "8",
+            "--prompt-len",
+            "1000",
+            "--output-len",
+            "1000",
+            "--tpot-ms",
+            "50",
+            "--drift",
+            "4000:250,250:4000",
+            "--json",
+            str(out),
+        ]
+    )
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "| shared |" in text and "| pd-replicas |" in text and "| colocated |" in text
+    assert "when the demand drifts" in text
+    data = json.loads(out.read_text())
+    assert data["architectures"]["shared"]["goodput"] > data["architectures"]["pd-replicas"]["goodput"]
+    assert len(data["drift"]["goodput"]["shared"]) == 2
+
+
+def test_cli_shared_from_a_profile(tmp_path, capsys):
+    qwen = model_preset("qwen3-30b-a3b")
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps(_profile_json(analytic_times(qwen, gpu_preset("h100")), qwen)))
+    assert main(["--arch", "shared", "--profile", str(prof), "--gpus", "4", "--tpot-ms", "40"]) == 0
+    assert "kernels (t = alpha + beta x + gamma x s + delta x s^2): profile rows" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--arch", "shared", "--tpot-ms", "0.01"], "no layout meets --tpot-ms 0.01"),
+        (["--arch", "shared", "--drift", "1000-200"], "--drift '1000-200'"),
+    ],
+)
+def test_cli_shared_errors(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_fine_grained_steps_need_the_touched_form(tmp_path, capsys):
+    """The caveat of #30: with 128 experts top-8 the expert time follows the weight bytes touched; a fit linear
+    in tokens (MegaScale-Infer's T_e = k3 b + k4) misses the measured steps."""
+    qwen = model_preset("qwen3-30b-a3b")
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps(_profile_json(analytic_times(qwen, gpu_preset("h200")), qwen)))
+    out = {}
+    for form in ("touched", "linear"):
+        path = tmp_path / f"{form}.json"
+        assert main(["--validate", str(prof), "--expert-fit", form, "--json", str(path)]) == 0
+        out[form] = json.loads(path.read_text())["rows"]
+    capsys.readouterr()
+    assert all(r["ok"] for r in out["touched"])
+    assert not any(r["ok"] for r in out["linear"])
