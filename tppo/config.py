@@ -20,7 +20,7 @@ from tppo.algo.config import AlgoConfig
 from tppo.base.fields import ConfigError, check_fields, spec
 from tppo.base.metrics import LoggingConfig
 from tppo.cluster.config import ClusterConfig
-from tppo.engine.config import ModelConfig, ParallelConfig
+from tppo.engine.config import BackendsConfig, ModelConfig, ParallelConfig
 from tppo.eval.config import EvalConfig
 
 __all__ = ["ConfigError", "ExperimentConfig"]
@@ -51,6 +51,7 @@ class ExperimentConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    backend: BackendsConfig = field(default_factory=BackendsConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     relibra: RelibraConfig = field(default_factory=RelibraConfig)
@@ -217,4 +218,40 @@ def _run_rules(c: ExperimentConfig) -> str | None:
     return None
 
 
-_CROSS_FIELD_RULES = (_run_rules, _model_rules, _parallel_rules, _algo_rules, _cluster_rules, _eval_rules)
+def _backend_rules(c: ExperimentConfig) -> str | None:
+    """The DeepSpeed backend is data parallel over transformers' model: no TP/PP/EP, no ReLibra; the reference
+    (frozen from the policy's Megatron shards) stays on Megatron."""
+    b, p = c.backend, c.parallel
+    for role in ("policy", "critic", "reference"):
+        r = getattr(b, role)
+        if r.offload_param and r.zero_stage != 3:
+            return f"backend.{role}.offload_param=true needs backend.{role}.zero_stage=3"
+    if b.policy.engine == "deepspeed":
+        if c.relibra.enabled:
+            return (
+                "backend.policy.engine=deepspeed cannot run relibra.enabled=true (ReLibra places the experts of "
+                "the Megatron backend's expert parallelism)"
+            )
+        split = {"tensor_parallel": p.tensor_parallel, "pipeline_parallel": p.pipeline_parallel}
+        split["expert_parallel"] = p.expert_parallel
+        for name, size in split.items():
+            if size > 1:
+                return f"backend.policy.engine=deepspeed runs data parallel only: parallel.{name}={size} needs megatron"
+    if b.reference.engine == "deepspeed" or (b.policy.engine == "deepspeed" and c.algo.kl_coef):
+        return (
+            f"a reference policy on the DeepSpeed backend (backend.reference.engine={b.reference.engine}, "
+            f"backend.policy.engine={b.policy.engine}, algo.kl_coef={c.algo.kl_coef}) is not supported yet: the "
+            "reference is frozen from the policy's Megatron shards; keep both on megatron or set algo.kl_coef=0"
+        )
+    return None
+
+
+_CROSS_FIELD_RULES = (
+    _run_rules,
+    _model_rules,
+    _parallel_rules,
+    _backend_rules,
+    _algo_rules,
+    _cluster_rules,
+    _eval_rules,
+)

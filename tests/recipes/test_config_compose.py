@@ -86,6 +86,16 @@ def test_typed_values_arrive_as_python_types():
         ("++algo.windw=4", "unknown key 'algo.windw'"),
         ("run.name=../../x", "run.name='../../x' must be a plain name"),
         ("run.name=a/b", "run.name='a/b' must be a plain name"),
+        (
+            "backend.policy.engine=deepspeed",
+            "backend.policy.engine=deepspeed cannot run relibra.enabled=true",
+        ),
+        (
+            "backend.critic.offload_param=true",
+            "backend.critic.offload_param=true needs backend.critic.zero_stage=3",
+        ),
+        ("backend.reference.engine=deepspeed", "a reference policy on the DeepSpeed backend"),
+        ("backend.critic.engine=deepspeedd", "backend.critic.engine='deepspeedd'"),
     ],
 )
 def test_bad_values_raise_config_error_naming_the_key(override, expected):
@@ -123,3 +133,14 @@ def test_cli_prints_the_validated_config():
     result = _check("experiment=qwen3_30b_a3b_tppo")
     assert result.returncode == 0, result.stderr
     assert '"num_experts": 128' in result.stdout
+
+
+def test_deepspeed_backends_compose_and_refuse_model_parallel_policies():
+    cfg = compose("train", ["experiment=critic_deepspeed"])
+    assert cfg.backend.critic.engine == "deepspeed" and cfg.backend.policy.engine == "megatron"
+    with pytest.raises(
+        ConfigError, match=r"runs data parallel only: parallel.expert_parallel=2 needs megatron"
+    ):
+        compose("train", ["backend.policy.engine=deepspeed", "relibra.enabled=false"])
+    policy = compose("train", ["backend.policy.engine=deepspeed", "relibra.enabled=false", "parallel=single"])
+    assert policy.backend.policy.engine == "deepspeed"

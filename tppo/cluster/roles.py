@@ -31,7 +31,7 @@ from tppo.algo.pool import Sample
 from tppo.cluster.placement import Reservation
 from tppo.cluster.workers import ExecutorSpec, RankSpec, TrainerWorker
 from tppo.engine.batch import ForwardOutput, StepResult, TrainBatch
-from tppo.engine.config import ModelConfig, OptimConfig, ParallelConfig
+from tppo.engine.config import BackendConfig, ModelConfig, OptimConfig, ParallelConfig
 from tppo.engine.layout import RouterLayout
 from tppo.engine.parallel import reserved_port
 
@@ -240,6 +240,7 @@ def start_trainers(
     executor: ExecutorSpec | None = None,
     remote: bool = True,
     placement: Reservation | None = None,
+    backend: BackendConfig | None = None,
 ) -> RankGroup:
     """Start `num_ranks` TrainerWorkers of `role` and wait until all are built (the rendezvous port stays
     reserved until then)."""
@@ -255,6 +256,7 @@ def start_trainers(
                 total_steps,
                 seed,
                 executor,
+                backend,
             )
             for rank in range(num_ranks)
         ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from relibra.plan import Plan, Topology
 from relibra.validate import PlanError
 from tppo.algo.stages import mismatch_inputs, rollout_mismatch, store_old_logprobs, store_ref_logprobs
 from tppo.engine.batch import ForwardOutput, LossOutput, StepResult, TrainBatch, to_device
-from tppo.engine.config import ModelConfig, OptimConfig, ParallelConfig
+from tppo.engine.config import BackendConfig, ModelConfig, OptimConfig, ParallelConfig
 from tppo.engine.layout import RouterLayout, expert_counts_LE
 
 _log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class TrainerWorker:
         total_steps: int | None,
         seed: int,
         relibra: ExecutorSpec | None = None,
+        backend: BackendConfig | None = None,
     ) -> None:
         os.environ.update(
             RANK=str(spec.rank),
@@ -80,20 +82,39 @@ class TrainerWorker:
             MASTER_PORT=str(spec.master_port),
         )
         torch.set_num_threads(spec.num_threads)
-        from tppo.engine.engine import MegatronEngine
-
         self.spec = spec
+        self.backend = backend or BackendConfig()
         # The reference policy is a policy network that only ever runs forward: no gradients, no optimizer.
         engine_role = "critic" if spec.role == "critic" else "policy"
-        self.engine = MegatronEngine(
-            model,
-            parallel,
-            optim,
-            role=engine_role,
-            total_steps=total_steps,
-            seed=seed,
-            optimizer="none" if spec.role == "reference" else "auto",
-        )
+        optimizer = "none" if spec.role == "reference" else "auto"
+        if self.backend.engine == "deepspeed":
+            if relibra is not None:
+                raise ValueError(
+                    f"{spec.role}: ReLibra needs the Megatron backend (backend.{spec.role}.engine)"
+                )
+            from tppo.engine.deepspeed_engine import DeepSpeedEngine
+
+            self.engine = DeepSpeedEngine(
+                model,
+                optim,
+                role=engine_role,
+                zero=self.backend,
+                total_steps=total_steps,
+                seed=seed,
+                optimizer=optimizer,
+            )
+        else:
+            from tppo.engine.engine import MegatronEngine
+
+            self.engine = MegatronEngine(
+                model,
+                parallel,
+                optim,
+                role=engine_role,
+                total_steps=total_steps,
+                seed=seed,
+                optimizer=optimizer,
+            )
         self._staged: list[TrainBatch] | None = None
         self.executor = None
         if relibra is not None:
@@ -237,8 +258,12 @@ class TrainerWorker:
         self.engine.export_hf(out_dir)
 
     def save(self, path: str, with_optimizer: bool = True) -> None:
-        """Write this rank's shard; without the optimizer state for a forward-only copy (the reference policy)."""
+        """Write this rank's shard; without the optimizer state for a forward-only copy (the reference policy).
+        The DeepSpeed backend writes its own checkpoint, one folder for all ranks beside the shard paths."""
         self._awake()
+        if self.backend.engine == "deepspeed":
+            self.engine.save(str(deepspeed_dir(path)))
+            return
         from tppo.base.checkpoint import save_file
 
         state = self.engine.state_dict()
@@ -248,6 +273,9 @@ class TrainerWorker:
 
     def load(self, path: str) -> None:
         self._awake()
+        if self.backend.engine == "deepspeed":
+            self.engine.load(str(deepspeed_dir(path)))
+            return
         from tppo.base.checkpoint import load_file
 
         state = load_file(Path(path))
@@ -256,6 +284,13 @@ class TrainerWorker:
             self.executor.load_checkpoint(state, keep_saved_placement=True)
         else:
             self.engine.load_state_dict(state)
+
+
+def deepspeed_dir(shard: str | Path) -> Path:
+    """The folder of a DeepSpeed role's checkpoint, shared by its ranks: <dir>/<role>_rank<r>.pt ->
+    <dir>/<role>_deepspeed."""
+    shard = Path(shard)
+    return shard.with_name(re.sub(r"_?rank\d+\.pt$", "", shard.name) + "_deepspeed")
 
 
 def _replayed(batches: Sequence[TrainBatch]) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tppo.base.fields import spec
 
@@ -60,3 +60,26 @@ class OptimConfig:
     grad_clip: float = spec(1.0, ge=0, help="0 disables clipping")
     warmup_steps: int = spec(0, ge=0)
     schedule: str = spec("constant", choices=("constant", "cosine"))
+
+
+@dataclass
+class BackendConfig:
+    """Which training engine runs one role: Megatron-Core (the default; TP/PP/EP, ReLibra, routing replay) or
+    DeepSpeed ZeRO over transformers' own model (data parallel only: any Hugging Face architecture, a critic of
+    another shape, a reference in host memory)."""
+
+    engine: str = spec("megatron", choices=("megatron", "deepspeed"))
+    zero_stage: int = spec(
+        2, choices=(2, 3), help="deepspeed: 2 shards optimizer state and gradients, 3 also weights"
+    )
+    offload_optimizer: bool = spec(False, help="deepspeed: optimizer state in host memory")
+    offload_param: bool = spec(False, help="deepspeed, zero_stage=3: parameters in host memory")
+
+
+@dataclass
+class BackendsConfig:
+    """The training engine of each trainer role."""
+
+    policy: BackendConfig = field(default_factory=BackendConfig)
+    critic: BackendConfig = field(default_factory=BackendConfig)
+    reference: BackendConfig = field(default_factory=BackendConfig)

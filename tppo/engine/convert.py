@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -529,10 +529,18 @@ def iter_hf_tensors(built, groups) -> Iterator[tuple[str, torch.Tensor]]:
 
 def iter_hf_weights(engine, bucket_bytes: int = 256 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """`iter_hf_tensors` grouped into buckets of at most `bucket_bytes` (a larger tensor fills one alone)."""
+    return in_buckets(iter_hf_tensors(engine.built, engine.groups), bucket_bytes)
+
+
+def in_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """(name, tensor) pairs in order, grouped into lists of at most `bucket_bytes` (a larger tensor fills one
+    alone): the weight sync's unit."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     bucket, size = [], 0
-    for name, t in iter_hf_tensors(engine.built, engine.groups):
+    for name, t in named_tensors:
         nbytes = t.numel() * t.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket

@@ -43,12 +43,12 @@ from tppo.engine.batch import ForwardOutput, LossOutput, StepResult, TrainBatch,
 from tppo.engine.config import ModelConfig, OptimConfig, ParallelConfig
 from tppo.engine.experts import GroupedExperts
 from tppo.engine.layout import RouterLayout
-from tppo.engine.logprobs import token_logprobs_entropy
+from tppo.engine.logprobs import aligned_logprobs, aligned_values
 from tppo.engine.model import BuiltModel, build_model, moe_layer_ids
 from tppo.engine.parallel import ParallelGroups, init_parallel
 from tppo.engine.replay import RouterReplayAction, check_routed_experts
 
-__all__ = ["LR_SCHEDULES", "MegatronEngine", "lr_at", "unshare_adam_steps", "use_fused_adam"]
+__all__ = ["LR_SCHEDULES", "MegatronEngine", "end_values", "lr_at", "unshare_adam_steps", "use_fused_adam"]
 
 LossFn = Callable[[ForwardOutput, TrainBatch], LossOutput]
 
@@ -531,38 +531,19 @@ class MegatronEngine:
         batch = mb.batch
         b, t = batch.shape
         x = output_BSV[:b, :t]
-        # Sequence starts have no prefix to score; padding tokens score nothing: both read 0.
-        starts = batch.sequence_starts_BT() | ~batch.valid_BT()
         if self.role == "critic":
-            values = torch.zeros(b, t, dtype=torch.float32, device=x.device)
-            values[:, 1:] = x[:, :-1, 0].float()
-            return ForwardOutput(
-                values_BT=values.masked_fill(starts, 0.0),
-                end_values_S=_end_values(batch, x[..., 0].float()),
-                routed_experts_BTLK=mb.recorded_BTLK,
+            out = aligned_values(batch, x[..., 0], end_values(batch, x[..., 0].float()))
+        else:
+            v_local = x.shape[-1]
+            out = aligned_logprobs(
+                batch,
+                x,
+                with_entropy=with_entropy,
+                tp_group=self.groups.tp,
+                vocab_start=self.groups.tp_rank * v_local,
             )
-        v_local = x.shape[-1]
-        targets = batch.input_ids_BT.long()[:, 1:].reshape(-1)
-        lp, ent = token_logprobs_entropy(
-            x[:, :-1].reshape(-1, v_local),
-            targets,
-            tp_group=self.groups.tp,
-            vocab_start=self.groups.tp_rank * v_local,
-            with_entropy=with_entropy,
-            temperature=batch.temperature,
-        )
-        logprobs = torch.zeros(b, t, dtype=torch.float32, device=x.device)
-        logprobs[:, 1:] = lp.view(b, t - 1)
-        entropy = None
-        if ent is not None:
-            entropy = torch.zeros(b, t, dtype=torch.float32, device=x.device)
-            entropy[:, 1:] = ent.view(b, t - 1)
-            entropy = entropy.masked_fill(starts, 0.0)
-        return ForwardOutput(
-            logprobs_BT=logprobs.masked_fill(starts, 0.0),
-            entropy_BT=entropy,
-            routed_experts_BTLK=mb.recorded_BTLK,
-        )
+        out.routed_experts_BTLK = mb.recorded_BTLK
+        return out
 
     def _run(self, mbs: list[_MicroBatch], *, loss_fn: LossFn | None, forward_only: bool, with_entropy: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -927,7 +908,7 @@ class MegatronEngine:
         return iter_hf_weights(self, bucket_bytes=bucket_bytes)
 
 
-def _end_values(batch: TrainBatch, v_BT: torch.Tensor) -> torch.Tensor:
+def end_values(batch: TrainBatch, v_BT: torch.Tensor) -> torch.Tensor:
     """The critic's value of the state after each sequence's last token: the output at that token (which the
     token-aligned values_BT drop), one per row of a padded batch, one per sequence of a packed one."""
     if batch.packed:

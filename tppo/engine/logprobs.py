@@ -19,7 +19,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["token_logprobs_entropy"]
+from tppo.engine.batch import ForwardOutput, TrainBatch
+
+__all__ = ["aligned_logprobs", "aligned_values", "token_logprobs_entropy"]
 
 
 def _sum_over_tp(x: torch.Tensor, group) -> torch.Tensor:
@@ -63,3 +65,41 @@ def token_logprobs_entropy(
     weighted_N = _sum_over_tp((exp_NV * shifted_NV).sum(-1), tp_group if tp else None)
     entropy_N = lse_N - weighted_N / lse_N.exp()
     return logprobs_N, entropy_N
+
+
+def _aligned(x_BT1: torch.Tensor, starts_BT: torch.Tensor) -> torch.Tensor:
+    """out[:, t] = x[:, t - 1] (fp32): a token's score comes from the output at the token before it; 0 at
+    `starts_BT` (sequence starts have no prefix to score, padding scores nothing)."""
+    b, t = starts_BT.shape
+    out_BT = torch.zeros(b, t, dtype=torch.float32, device=x_BT1.device)
+    out_BT[:, 1:] = x_BT1.reshape(b, t - 1).float()
+    return out_BT.masked_fill(starts_BT, 0.0)
+
+
+def aligned_values(batch: TrainBatch, v_BT: torch.Tensor, end_values_S: torch.Tensor) -> ForwardOutput:
+    """A critic's outputs aligned with the tokens: values_BT[:, t] = V(s_t), read at the token before t."""
+    starts_BT = batch.sequence_starts_BT() | ~batch.valid_BT()
+    return ForwardOutput(values_BT=_aligned(v_BT[:, :-1], starts_BT), end_values_S=end_values_S)
+
+
+def aligned_logprobs(
+    batch: TrainBatch,
+    logits_BTV: torch.Tensor,
+    *,
+    with_entropy: bool,
+    tp_group=None,
+    vocab_start: int = 0,
+) -> ForwardOutput:
+    """Each token's log-prob (and the entropy of its distribution) given the tokens before it, aligned with the
+    token: logprobs_BT[:, t] from the logits at t - 1 (`token_logprobs_entropy` at the batch's temperature)."""
+    starts_BT = batch.sequence_starts_BT() | ~batch.valid_BT()
+    lp_N, ent_N = token_logprobs_entropy(
+        logits_BTV[:, :-1].reshape(-1, logits_BTV.shape[-1]),
+        batch.input_ids_BT.long()[:, 1:].reshape(-1),
+        tp_group=tp_group,
+        vocab_start=vocab_start,
+        with_entropy=with_entropy,
+        temperature=batch.temperature,
+    )
+    entropy_BT = None if ent_N is None else _aligned(ent_N, starts_BT)
+    return ForwardOutput(logprobs_BT=_aligned(lp_N, starts_BT), entropy_BT=entropy_BT)

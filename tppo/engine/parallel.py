@@ -25,7 +25,7 @@ import torch.distributed as dist
 from tppo.engine.compat import fix_missing_te_symbols, maybe_enable_cpu_compat
 from tppo.engine.config import ParallelConfig
 
-__all__ = ["ParallelGroups", "init_parallel", "reserved_port"]
+__all__ = ["ParallelGroups", "init_parallel", "reserved_port", "start_torch_distributed"]
 
 
 @dataclass
@@ -84,7 +84,7 @@ def reserved_port() -> Iterator[int]:
         yield s.getsockname()[1]
 
 
-def _start_torch_distributed(backend: str, timeout_s: float) -> None:
+def start_torch_distributed(backend: str, timeout_s: float) -> None:
     if dist.is_initialized():
         return
     rank = int(os.environ.get("RANK", "0"))
@@ -128,7 +128,7 @@ def init_parallel(parallel: ParallelConfig, *, timeout_s: float = 300.0) -> Para
     else:
         maybe_enable_cpu_compat()
     fix_missing_te_symbols()
-    _start_torch_distributed(backend, timeout_s)
+    start_torch_distributed(backend, timeout_s)
     world = dist.get_world_size()
     _check_layout(parallel, world)
     if "layout" in _STATE:

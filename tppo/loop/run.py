@@ -323,6 +323,7 @@ def _start_roles(cfg: ExperimentConfig, placement: Reservation) -> Roles:
             seed=seed,
             total_steps=cfg.run.num_steps,
             placement=placement,
+            backend=getattr(cfg.backend, role),
             **kwargs,
         )
 
