@@ -219,8 +219,7 @@ def _run_rules(c: ExperimentConfig) -> str | None:
 
 
 def _backend_rules(c: ExperimentConfig) -> str | None:
-    """The DeepSpeed backend is data parallel over transformers' model: no TP/PP/EP, no ReLibra; the reference
-    (frozen from the policy's Megatron shards) stays on Megatron."""
+    """The DeepSpeed backend is data parallel over transformers' model: no TP/PP/EP, no ReLibra."""
     b, p = c.backend, c.parallel
     for role in ("policy", "critic", "reference"):
         r = getattr(b, role)
@@ -237,12 +236,6 @@ def _backend_rules(c: ExperimentConfig) -> str | None:
         for name, size in split.items():
             if size > 1:
                 return f"backend.policy.engine=deepspeed runs data parallel only: parallel.{name}={size} needs megatron"
-    if b.reference.engine == "deepspeed" or (b.policy.engine == "deepspeed" and c.algo.kl_coef):
-        return (
-            f"a reference policy on the DeepSpeed backend (backend.reference.engine={b.reference.engine}, "
-            f"backend.policy.engine={b.policy.engine}, algo.kl_coef={c.algo.kl_coef}) is not supported yet: the "
-            "reference is frozen from the policy's Megatron shards; keep both on megatron or set algo.kl_coef=0"
-        )
     return None
 
 

@@ -94,7 +94,6 @@ def test_typed_values_arrive_as_python_types():
             "backend.critic.offload_param=true",
             "backend.critic.offload_param=true needs backend.critic.zero_stage=3",
         ),
-        ("backend.reference.engine=deepspeed", "a reference policy on the DeepSpeed backend"),
         ("backend.critic.engine=deepspeedd", "backend.critic.engine='deepspeedd'"),
     ],
 )

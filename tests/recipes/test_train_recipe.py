@@ -177,6 +177,25 @@ def test_kl_penalty_runs_a_frozen_reference_policy(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.dist
+def test_a_reference_on_deepspeed_zero3_offload_starts_as_the_megatron_policy(tmp_path):
+    """The reference on DeepSpeed ZeRO-3 with parameters in host memory loads the policy's Hugging Face export as
+    RL starts: the first update sees KL = 0 against the Megatron policy, the next ones a positive KL."""
+    reference = [
+        "backend.reference.engine=deepspeed",
+        "backend.reference.zero_stage=3",
+        "backend.reference.offload_param=true",
+    ]
+    args = ("algo.kl_coef=0.05", "algo.critic_warmup_steps=0", "run.num_steps=3", *reference)
+    done = _run(_cmd(tmp_path, "klds", *args))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "klds" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["tppo/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert rows[1]["tppo/kl"] > 1e-6 and rows[2]["tppo/kl"] > 1e-6
+    assert (tmp_path / "klds" / "reference" / "hf" / "config.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.dist
 def test_the_trainer_scores_tokens_at_the_rollouts_sampling_temperature(tmp_path):
     """At rollout.temperature=0.7 the trainer's old log-probs equal the rollout engine's (both of softmax(z / T)):
     fp32 on CPU, the mismatch is rounding only."""

@@ -362,6 +362,10 @@ class Trainer:
     def export_hf(self, out_dir: Path) -> None:
         self.ranks.call(TrainerWorker.export_hf, None, str(out_dir))
 
+    def load_hf(self, path: Path) -> None:
+        """Every rank loads a Hugging Face checkpoint's weights (the reference from the policy's export)."""
+        self.ranks.call(TrainerWorker.load_hf, None, str(path))
+
     def save(self, shards: Sequence[Path], with_optimizer: bool = True) -> None:
         """Every rank writes its shard to `shards[rank]`."""
         self.ranks.call(TrainerWorker.save, [(str(p), with_optimizer) for p in self._per_rank(shards)])

@@ -253,6 +253,16 @@ class TrainerWorker:
         buckets = [list(b) for b in self.engine.iter_hf_weights(bucket_bytes=bucket_bytes)]
         return buckets if self.spec.rank == 0 else []
 
+    def load_hf(self, path: str) -> None:
+        """Load a Hugging Face checkpoint's weights (the reference policy from the policy's export)."""
+        self._awake()
+        if self.backend.engine == "deepspeed":
+            self.engine.load_hf(path)
+        else:
+            from tppo.engine.convert import load_hf_checkpoint
+
+            load_hf_checkpoint(self.engine, path)
+
     def export_hf(self, out_dir: str) -> None:
         self._awake()
         self.engine.export_hf(out_dir)

@@ -37,6 +37,7 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -487,6 +488,35 @@ class DeepSpeedEngine:
             for name, t in sorted(revert_weight_conversion(self.hf_model, tensors).items()):
                 yield prefix + name, t
 
+    def load_hf(self, path: str) -> None:
+        """Copy a Hugging Face checkpoint's weights (a causal LM of this shape: e.g. the policy's export) into the
+        model in place, one decoder layer at a time (gathered and re-partitioned under ZeRO-3). transformers
+        reads the checkpoint, so its on-disk names are converted to the model's as in from_pretrained."""
+        from transformers import AutoModelForCausalLM
+
+        if self.role == "critic":
+            raise ValueError("load_hf: a critic's value head has no Hugging Face counterpart; load a policy")
+        if not (Path(path) / "config.json").is_file():
+            raise FileNotFoundError(
+                f"load_hf: {path} has no config.json; expected a Hugging Face checkpoint folder"
+            )
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, output_loading_info=True
+        )
+        # transformers initialises what a checkpoint lacks at random: a reference must never start so.
+        missing = sorted(info["missing_keys"])
+        if missing:
+            raise ValueError(
+                f"load_hf: {path} lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}"
+            )
+        source = model.state_dict()
+        with torch.no_grad():
+            for names in self._name_groups():
+                group = [(n, p) for n, p in self.hf_model.named_parameters() if n in names]
+                with self._gathered([p for _, p in group], modifier_rank=0):
+                    for name, param in group:
+                        param.copy_(source[name].to(param.dtype))
+
     def _name_groups(self) -> list[list[str]]:
         """The HF model's parameter names grouped by decoder layer (others alone), in model order."""
         groups: dict[str, list[str]] = {}
@@ -495,12 +525,14 @@ class DeepSpeedEngine:
             groups.setdefault(match.group(1) if match else name, []).append(name)
         return list(groups.values())
 
-    def _gathered(self, params: list[torch.nn.Parameter]):
+    def _gathered(self, params: list[torch.nn.Parameter], modifier_rank: int | None = None):
+        """Under ZeRO-3 the full parameters for the block (with modifier_rank, that rank's changes are
+        re-partitioned on exit); the parameters themselves otherwise."""
         if self.zero.zero_stage != 3:
             return nullcontext()
         import deepspeed
 
-        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
 
     def iter_hf_weights(self, bucket_bytes: int = 256 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """`iter_hf_tensors` in buckets of at most `bucket_bytes` (a larger tensor fills one alone)."""

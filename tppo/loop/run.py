@@ -343,9 +343,14 @@ def _start_roles(cfg: ExperimentConfig, placement: Reservation) -> Roles:
 
 
 def _freeze_reference(cfg: ExperimentConfig, roles: Roles, fresh: bool) -> None:
-    """The reference policy is the policy as RL starts (after the warm start). Its shards are written once into
-    the run directory, so a resumed run loads the same reference rather than the resumed policy."""
+    """The reference policy is the policy as RL starts (after the warm start). Its weights are written once into
+    the run directory, so a resumed run loads the same reference rather than the resumed policy: the policy's
+    own shards when both run on Megatron, else its Hugging Face export (what either backend loads)."""
     folder = run_dir(cfg) / "reference"
+    b = cfg.backend
+    if b.policy.engine != "megatron" or b.reference.engine != "megatron":
+        _freeze_reference_hf(cfg, roles, folder / "hf", fresh)
+        return
     shards = [folder / f"rank{r}.pt" for r in range(roles.policy.ranks.size)]
     if fresh:
         folder.mkdir(parents=True, exist_ok=True)
@@ -355,3 +360,13 @@ def _freeze_reference(cfg: ExperimentConfig, roles: Roles, fresh: bool) -> None:
             f"algo.kl_coef={cfg.algo.kl_coef} but the reference policy of this run is missing from {folder}"
         )
     roles.reference.load(shards)
+
+
+def _freeze_reference_hf(cfg: ExperimentConfig, roles: Roles, folder: Path, fresh: bool) -> None:
+    if fresh:
+        roles.policy.export_hf(folder)
+    elif not (folder / "config.json").exists():
+        raise FileNotFoundError(
+            f"algo.kl_coef={cfg.algo.kl_coef} but the reference policy of this run is missing from {folder}"
+        )
+    roles.reference.load_hf(folder)

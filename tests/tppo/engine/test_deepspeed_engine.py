@@ -189,3 +189,28 @@ def test_replayed_weights_equal_the_routers_own_at_its_own_choice():
         torch.testing.assert_close(got, expect)
     with pytest.raises(ValueError, match="no router module"):
         HFRoutingReplay(torch.nn.Linear(2, 2))
+
+
+def test_reference_on_zero3_with_offload_loads_the_policys_export(ckpt, tmp_path):
+    """A trained Megatron policy exported to HF and loaded into a forward-only ZeRO-3 engine with parameters in
+    host memory (the reference of a KL penalty) gives the policy's own log-probs."""
+    m = model_config_from_hf(ckpt)
+    policy = MegatronEngine(m, ParallelConfig(), OPTIM)
+    batches = _batches()
+    with_old_logprobs(batches, policy.forward(batches))
+    _step(policy, batches, replay=False)  # the export differs from the checkpoint the reference starts from
+    policy.export_hf(str(tmp_path / "policy"))
+    zero = BackendConfig("deepspeed", zero_stage=3, offload_param=True)
+    reference = DeepSpeedEngine(m, OPTIM, zero=zero, optimizer="none")
+    reference.load_hf(str(tmp_path / "policy"))
+    for a, r in zip(reference.forward(batches), policy.forward(batches)):
+        torch.testing.assert_close(a.logprobs_BT, r.logprobs_BT, rtol=0, atol=1e-5)
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        reference.load_hf(str(tmp_path / "empty"))
+    from safetensors.torch import load_file, save_file
+
+    # a checkpoint without layer 1 (its index still lists the shard, which no longer holds those tensors)
+    for shard in map(str, (tmp_path / "policy").glob("*.safetensors")):
+        save_file({n: t for n, t in load_file(shard).items() if "layers.1." not in n}, shard)
+    with pytest.raises(ValueError, match="lacks"):
+        reference.load_hf(str(tmp_path / "policy"))
