@@ -6,9 +6,9 @@ KV cache, the router, sampling and routing capture, and the dense tensors; exper
 hold a contiguous range of every MoE layer's experts and nothing else, and serve every attention worker. Per MoE
 layer and micro-batch there are two transfers over torch.distributed point-to-point on an explicit process
 group (gloo on CPU, NCCL on GPUs): dispatch (an attention worker sends the post-attention hidden states, router
-weights and expert ids of the micro-batch's tokens to every expert worker) and combine (each expert worker
-returns its experts' weighted sum in fp32; the attention worker adds the partial sums to the residual and rounds
-once). An expert worker gathers micro-batch j of the same step number from every attention worker still
+weights and expert ids of the micro-batch's tokens to each expert worker that holds one of their top-k experts,
+a count first) and combine (each expert worker returns its experts' weighted sum of those rows in fp32; the
+attention worker adds the partial sums to the residual and rounds once). An expert worker gathers micro-batch j of the same step number from every attention worker still
 generating into one batch (the M-to-N aggregation that makes the expert GEMMs larger than any one attention
 worker's batch), and answers each its rows.
 
@@ -203,26 +203,30 @@ def _recv_into(t: torch.Tensor, rank: int, layout: Layout) -> dist.Work:
 
 
 class Combine:
-    """The expert workers' answer to one dispatch, in flight: `wait(residual)` = residual + sum of the partial
-    sums, added in fp32 in worker order and rounded once to the residual's dtype."""
+    """The expert workers' answer to one dispatch, in flight: `wait(residual)` = residual + each worker's partial
+    sums at the rows it was sent, added in fp32 in worker order and rounded once to the residual's dtype."""
 
-    def __init__(self, works: list[dist.Work], partials: list[torch.Tensor], sent: list[Sent]) -> None:
+    def __init__(
+        self, works: list[dist.Work], partials: list[tuple[torch.Tensor, torch.Tensor]], sent: list[Sent]
+    ) -> None:
         self.works, self.partials, self.sent = works, partials, sent
 
     def wait(self, residual_TH: torch.Tensor) -> torch.Tensor:
         for work in self.sent + self.works:
             work.wait()
         out_TH = residual_TH.float()
-        for partial_TH in self.partials:
-            out_TH = out_TH + partial_TH
+        for rows_R, partial_RH in self.partials:
+            out_TH.index_add_(0, rows_R, partial_RH)  # rows are distinct: no two adds meet
         return out_TH.to(residual_TH.dtype)
 
 
 class RemoteExperts:
-    """The attention worker's side of the transfers."""
+    """The attention worker's side of the transfers. Dispatch is routed: an expert worker receives only the
+    tokens with at least one of their top-k experts in its range (a count first, then those rows)."""
 
-    def __init__(self, layout: Layout, hidden_size: int, device: torch.device) -> None:
+    def __init__(self, layout: Layout, hidden_size: int, device: torch.device, num_experts: int) -> None:
         self.layout, self.hidden_size, self.device = layout, hidden_size, device
+        self.ranges = expert_ranges(num_experts, len(layout.expert_ranks))
 
     def _header(self, op: int, sizes: Sequence[int] = ()) -> None:
         header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
@@ -240,14 +244,22 @@ class RemoteExperts:
         self._header(END)
 
     def dispatch(self, h_TH: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> Combine:
-        """Send a micro-batch's MoE inputs to every expert worker; their partial sums arrive in the Combine."""
+        """Send each expert worker the micro-batch's tokens routed to it (hidden states, router weights, ids);
+        their partial sums arrive in the Combine."""
         sent, works, partials = [], [], []
         w_TK, i_TK = weights_TK.float(), ids_TK.to(torch.int32)
-        for rank in self.layout.expert_ranks:
-            sent += [Sent(t, rank, self.layout) for t in (h_TH, w_TK, i_TK)]
-            partial_TH = torch.empty(h_TH.shape[0], self.hidden_size, dtype=torch.float32, device=self.device)
-            works.append(_recv_into(partial_TH, rank, self.layout))
-            partials.append(partial_TH)
+        for rank, held in zip(self.layout.expert_ranks, self.ranges):
+            rows_R = ((i_TK >= held.start) & (i_TK < held.stop)).any(dim=1).nonzero().squeeze(1)
+            count = torch.tensor([rows_R.numel()], dtype=torch.int64, device=self.device)
+            sent.append(Sent(count, rank, self.layout))
+            if not rows_R.numel():
+                continue
+            sent += [Sent(t[rows_R], rank, self.layout) for t in (h_TH, w_TK, i_TK)]
+            partial_RH = torch.empty(
+                rows_R.numel(), self.hidden_size, dtype=torch.float32, device=self.device
+            )
+            works.append(_recv_into(partial_RH, rank, self.layout))
+            partials.append((rows_R, partial_RH))
         return Combine(works, partials, sent)
 
 
@@ -330,7 +342,7 @@ class DisaggregatedEngine(RolloutEngine):
 
     def __init__(self, spec, weights, device, config: RolloutConfig | None, layout: Layout) -> None:
         self.layout = layout
-        self.remote = RemoteExperts(layout, spec.hidden_size, torch.device(device))
+        self.remote = RemoteExperts(layout, spec.hidden_size, torch.device(device), spec.num_experts)
         super().__init__(spec, weights, device, config)
 
     @classmethod
@@ -359,7 +371,8 @@ class ServeStats:
 
     steps: int = 0
     dispatches: int = 0
-    tokens: int = 0
+    offered: int = 0  # tokens of the micro-batches served
+    tokens: int = 0  # of those, routed here (received)
 
 
 class ExpertWorker:
@@ -428,9 +441,10 @@ class ExpertWorker:
                         part = {rank: sizes[rank][j] for rank in active if j < len(sizes[rank])}
                         for done in sent:
                             done.wait()
-                        sent = self._answer(i, part)
+                        sent, received = self._answer(i, part)
                         stats.dispatches += 1
-                        stats.tokens += sum(part.values())
+                        stats.offered += sum(part.values())
+                        stats.tokens += received
             for done in sent:
                 done.wait()
         return stats
@@ -446,24 +460,37 @@ class ExpertWorker:
             raise RuntimeError(f"expert worker: unknown header op {op} from rank {rank} (a protocol bug)")
         return header[2 : 2 + m].tolist()
 
-    def _answer(self, i: int, tokens: dict[int, int]) -> list[Sent]:
-        """Receive one dispatch of layer i from each attention rank (tokens[rank] rows), compute their partial
-        sums in one batch, send each rank its rows."""
+    def _answer(self, i: int, offered: dict[int, int]) -> tuple[list[Sent], int]:
+        """Receive one dispatch of layer i from each attention rank (a count, then the rows routed here),
+        compute their partial sums in one batch, send each rank its rows; (the sends, the rows received)."""
         s = self.spec
-        dtype = self.moe_layers[i].gate_up_EFH.dtype
-        t = sum(tokens.values())
-        h_TH = torch.empty(t, s.hidden_size, dtype=dtype, device=self.device)
+        counts = {}
+        for rank in offered:
+            count = torch.empty(1, dtype=torch.int64, device=self.device)
+            _recv_into(count, rank, self.layout).wait()
+            counts[rank] = int(count)
+        t = sum(counts.values())
+        if not t:
+            return [], 0
+        h_TH = torch.empty(t, s.hidden_size, dtype=self.moe_layers[i].gate_up_EFH.dtype, device=self.device)
         weights_TK = torch.empty(t, s.top_k, dtype=torch.float32, device=self.device)
         ids_TK = torch.empty(t, s.top_k, dtype=torch.int32, device=self.device)
-        works, bounds = [], [0, *itertools.accumulate(tokens.values())]
-        for rank, lo, hi in zip(tokens, bounds, bounds[1:]):
-            works += [_recv_into(x[lo:hi], rank, self.layout) for x in (h_TH, weights_TK, ids_TK)]
+        spans = [(rank, lo, hi) for rank, lo, hi in _spans(counts) if hi > lo]
+        works = [
+            _recv_into(x[lo:hi], rank, self.layout)
+            for rank, lo, hi in spans
+            for x in (h_TH, weights_TK, ids_TK)
+        ]
         for work in works:
             work.wait()
         partial_TH = self.partial(i, h_TH, weights_TK, ids_TK)
-        return [
-            Sent(partial_TH[lo:hi], rank, self.layout) for rank, lo, hi in zip(tokens, bounds, bounds[1:])
-        ]
+        return [Sent(partial_TH[lo:hi], rank, self.layout) for rank, lo, hi in spans], t
+
+
+def _spans(counts: dict[int, int]) -> list[tuple[int, int, int]]:
+    """(rank, first row, end row) of each rank's rows in the gathered batch, in the dict's order."""
+    bounds = [0, *itertools.accumulate(counts.values())]
+    return [(rank, lo, hi) for rank, lo, hi in zip(counts, bounds, bounds[1:])]
 
 
 def split_weights(

@@ -118,6 +118,9 @@ def test_disaggregated_equals_the_replica_engine(
     for served in ranks[a:]:
         assert [s.steps for s in served] == [max(n) for n in steps]
         assert all(2 * s.steps <= s.dispatches <= 2 * s.steps * micro_batches for s in served)
+        # routed dispatch: a worker holding some of the experts gets only the tokens routed to them
+        assert all(0 < s.tokens <= s.offered for s in served)
+        assert all(s.tokens < s.offered for s in served) == (expert_workers > 1)
     if a > 1:
         assert any(len(set(n)) > 1 for n in steps)  # unequal step counts were served
 
