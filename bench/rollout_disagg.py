@@ -3,17 +3,20 @@
     python bench/rollout_disagg.py --profile --json bench/out/rollout_disagg_profile.json   # one GPU, bf16
     python bench/rollout_disagg.py --profile --tiny      # CPU smoke run: toy shapes, fp32, wall time
 
-Writes the profile JSON `rollout-profile/1` (read by `python -m rollout.plan --profile`): the device, its measured
-copy bandwidth, the model's widths and, per section, one row per point. Model: one decoder layer of Qwen3-30B-A3B
+Writes the profile JSON `rollout-profile/2` (read by `python -m rollout.plan --profile`): the device, its measured
+copy bandwidth, the model's widths and, per section, one row per point. Model: decoder layers of Qwen3-30B-A3B
 (hidden 2048, 32 q / 4 kv heads of 128, 128 experts top-8, expert FFN 768) with random weights, bf16; `--tiny`
-takes rollout_decode's TINY widths in fp32 on the CPU.
+takes rollout_decode's TINY widths in fp32 on the CPU. Schema /2 over /1: the per-layer times are amortised over
+`--graph-reps` reps (below) and the "overhead" section is new (the planner still reads /1 files: without
+overhead rows it keeps the LM head's roofline as the step's only fixed cost, and says so).
 
 Sections (a point that raises is listed under "errors" and the others still run):
 1. attention: for every `--batches` x `--contexts`, what an attention worker runs per layer for `batch` decode rows
    each at position `context` (positions 0..context-1 cached): MoeDecoder.attention_block (input RMSNorm, qkv, q/k
    norm, RoPE, K/V write, paged attention through the block table, o_proj + residual, post-attention RMSNorm)
-   and MoeDecoder.route (router top-k). The rows are real block-table rows of an engine whose cache holds one
-   layer (random K/V), sized for the largest point that fits the free memory; larger points are skipped.
+   and MoeDecoder.route (router top-k). The rows are real block-table rows of an engine whose cache holds its
+   `--graph-reps` layers (random K/V), sized for the largest point that fits the free memory; larger points are
+   skipped.
 2. experts: for every `--expert-tokens`, MoeDecoder.experts of all E experts with the engine's default kernel
    choice for that token count (padded bmm for 8-64 pairs per expert on a GPU, grouped GEMMs otherwise), routing
    from a softmax over random logits (rollout_expertplex.Layer.inputs).
@@ -24,11 +27,22 @@ Sections (a point that raises is listed under "errors" and the others still run)
    GPU holds the whole model) at `--step-batches` x `--step-contexts` where the KV fits: the runner's step (inputs
    in, replay, sampling, outputs on the host) as rollout_decode.time_replay times it; `--validate` compares a
    plan's prediction with these.
+5. overhead: the step's fixed cost (embedding, final norm + LM head, sampling, host copies and the step's one
+   sync) at every `--step-batches` x `--step-contexts` point: the whole decode step of a ONE-layer engine (as in
+   section 4) minus that layer's attention (batch, context) and experts (tokens = batch) times, timed as in
+   sections 1-2 (measured for this point if those sections did not). Rows: batch, context, ms (the overhead;
+   noise can make it slightly negative), and the step_ms, attention_ms, experts_ms it came from.
+They run in the order attention, experts, (the overhead's parts), overlap, overhead, steps, and the JSON is
+rewritten after every section, so a run cut short keeps what it measured.
 
 Timing: rollout_decode.median_ms (CUDA events, median of `--repeats` after `--warmup`; wall time on the CPU). On
-CUDA each piece is first captured as one CUDA graph and its replay is timed, because the engine runs its layers
-inside graphs: launched op by op, the ~25 small kernels of the attention part would time the host's launches,
-not the GPU (`--eager` times them so anyway). Points that start after `--time-budget-s` are skipped, so a slow
+CUDA each piece is captured as ONE CUDA graph of R = `--graph-reps` reps back to back and its replay time / R is
+reported, because the engine runs all its layers inside one graph per step: launched op by op, the ~25 small
+kernels of the attention part would time the host's launches, not the GPU (`--eager` times them so anyway), and
+a graph of one rep would add a graph launch and tail (~0.06-0.08 ms on an H100) that a step pays once, not per
+layer. Rep i runs layer i of an engine of R layers (its own weights and K/V cache, same inputs), so no rep finds
+the previous rep's 38 MB of attention weights in the L2 cache, as a step's next layer would not. Off CUDA and
+with --eager the R reps run in a Python loop. Points that start after `--time-budget-s` are skipped, so a slow
 card still writes its JSON in a few minutes. Besides the schema's keys the JSON has "skipped" and "errors" (one
 entry per point left out, with the reason) and "meta" (arguments, torch, each expert token count's path);
 overlap rows also carry their `tokens`.
@@ -76,7 +90,7 @@ from rollout.paged_attention import decode_splits
 from rollout.runner import TOKEN, StepInputs, step_batch
 from rollout.weights import allocate
 
-SCHEMA = "rollout-profile/1"
+SCHEMA = "rollout-profile/2"
 HEADROOM_BYTES = 4 * 2**30  # left free beside weights and KV: activations, graph pools, allocator slack
 BLOCK_SIZE = RolloutConfig().kv_block_size
 TINY_ARGS = dict(
@@ -91,15 +105,16 @@ TINY_ARGS = dict(
     step_contexts=[16, 40],
     repeats=2,
     warmup=1,
+    graph_reps=2,
 )
 
 
 # --------------------------------------------------------------------------------------------- the layer
 class LayerProfile(Layer):
-    """rollout_expertplex's Layer (one MoE layer of an engine with random weights, expert inputs of T tokens) whose
-    KV cache holds `num_positions` positions for up to `max_rows` rows of `max_len`, so the layer's attention runs
-    over real cached context too. The cache is filled with N(0, 1): the same bytes move as with real keys, and
-    a test comparing outputs sees every attended position."""
+    """rollout_expertplex's Layer (MoE layers of an engine with random weights, expert inputs of T tokens) with
+    `num_layers` layers (one per graph rep) whose KV cache holds `num_positions` positions for up to `max_rows`
+    rows of `max_len`, so the layers' attention runs over real cached context too. The cache is filled with
+    N(0, 1): the same bytes move as with real keys, and a test comparing outputs sees every attended position."""
 
     def __init__(
         self,
@@ -109,6 +124,7 @@ class LayerProfile(Layer):
         max_rows: int,
         max_len: int,
         num_positions: int,
+        num_layers: int = 1,
     ) -> None:
         config = RolloutConfig(
             max_model_len=max_len,
@@ -117,9 +133,9 @@ class LayerProfile(Layer):
             kv_cache_tokens=num_positions,
             cuda_graphs=False,  # the engine's runner is not used; pieces are captured one by one
         )
-        self.engine = RolloutEngine.from_config(dict(cfg, num_hidden_layers=1), device, dtype, config)
+        self.engine = RolloutEngine.from_config(model_config(cfg, num_layers), device, dtype, config)
         self.model, self.layer, self.spec = self.engine.model, self.engine.weights.layers[0], self.engine.spec
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.num_layers = device, dtype, num_layers
         gen = torch.Generator(device=device).manual_seed(0)
         for kv_LXMD in self.engine.cache.tensors():
             kv_LXMD.normal_(generator=gen)
@@ -134,18 +150,24 @@ class LayerProfile(Layer):
             yield decode_batch(self.engine, inputs, seed)
 
     def attention(
-        self, step: StepBatch, x_TH: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor
+        self, step: StepBatch, x_TH: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor, i: int = 0
     ) -> dict[str, torch.Tensor]:
-        """What an attention worker runs per layer: the model's attention block and router. Returns what it hands
+        """What an attention worker runs per layer: layer i's attention block and router. Returns what it hands
         to the experts, keyed as Layer.inputs (so `experts` takes either)."""
-        x_TH, h_TH = self.model.attention_block(0, x_TH, step, cos_TD, sin_TD)
-        weights_TK, ids_TK = self.model.route(self.layer, h_TH)
+        x_TH, h_TH = self.model.attention_block(i, x_TH, step, cos_TD, sin_TD)
+        weights_TK, ids_TK = self.model.route(self.engine.weights.layers[i], h_TH)
         return dict(h_TH=h_TH, weights_TK=weights_TK, ids_TK=ids_TK, residual_TH=x_TH)
 
-    def experts(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
-        """residual + the routed experts, through the engine's default kernel for this token count (all decode)."""
+    def experts(self, x: dict[str, torch.Tensor], i: int = 0) -> torch.Tensor:
+        """residual + layer i's routed experts, through the engine's default kernel for this token count (all
+        decode)."""
         return self.model.experts(
-            self.layer, x["h_TH"], x["weights_TK"], x["ids_TK"], x["residual_TH"], x["h_TH"].shape[0]
+            self.engine.weights.layers[i],
+            x["h_TH"],
+            x["weights_TK"],
+            x["ids_TK"],
+            x["residual_TH"],
+            x["h_TH"].shape[0],
         )
 
     def expert_path(self, num_tokens: int) -> str:
@@ -190,6 +212,23 @@ def graphed(fn, device: torch.device, eager: bool):
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
+
+
+def repeated(part, reps: int):
+    """part(0), part(1), ..., part(reps - 1) back to back: one call does rep i on layer i."""
+
+    def run() -> None:
+        for i in range(reps):
+            part(i)
+
+    return run
+
+
+def per_rep_ms(prof: LayerProfile, part, args) -> float:
+    """Median time of one rep of part(i): the graph (or Python loop) of R = prof.num_layers reps, timed, / R.
+    Only the graph's launch and tail are shared by the R reps, so they cost 1/R each, as in a step's graph."""
+    run = graphed(repeated(part, prof.num_layers), prof.device, args.eager)
+    return median_ms(prof.device, run, args.warmup, args.repeats) / prof.num_layers
 
 
 def two_streams(first, second, device: torch.device):
@@ -258,11 +297,13 @@ def engine_sizes(points: list[tuple[int, int]]) -> dict:
 
 # --------------------------------------------------------------------------------------------- points
 class Recorder:
-    """The profile being written: rows per section, skipped points, errors, and the time budget."""
+    """The profile being written: rows per section, skipped points, errors, the time budget, and the attention
+    and experts times of the overhead section's points."""
 
     def __init__(self, out: dict, budget_s: float) -> None:
         self.out = out
         self.deadline = time.monotonic() + budget_s
+        self.parts: dict[tuple[int, int], tuple[float, float]] = {}  # step point -> (attention, experts) ms
 
     def over(self) -> bool:
         return time.monotonic() > self.deadline
@@ -271,61 +312,82 @@ class Recorder:
         self.out["skipped"].append({"section": name, **point, "reason": reason})
         print(f"{name} {point}: skipped ({reason})", flush=True)
 
-    def point(self, name: str, point: dict, measure) -> None:
-        """Append {**point, **measure()} to the section's rows; over the time budget the point is skipped, an
-        exception is recorded under "errors" (the run goes on); memory is freed after each point."""
-        if self.over():
-            self.skip(name, point, "time budget (--time-budget-s) spent")
-            return
+    def attempt(self, name: str, point: dict, measure):
+        """measure(), or None when it raised: the exception is recorded under "errors" (the run goes on); memory
+        is freed after each point."""
         try:
-            self.out[name].append({**point, **measure()})
-            print(name, self.out[name][-1], flush=True)
+            return measure()
         except Exception as err:  # one failing point must not lose the others
             traceback.print_exc()
             self.out["errors"].append({"section": name, **point, "error": f"{type(err).__name__}: {err}"})
+            return None
         finally:
             free_memory()
+
+    def point(self, name: str, point: dict, measure) -> None:
+        """Append {**point, **measure()} to the section's rows; over the time budget the point is skipped."""
+        if self.over():
+            self.skip(name, point, "time budget (--time-budget-s) spent")
+            return
+        row = self.attempt(name, point, measure)
+        if row is not None:
+            self.out[name].append({**point, **row})
+            print(name, self.out[name][-1], flush=True)
 
 
 def attention_ms(prof: LayerProfile, batch: int, context: int, args) -> float:
     with prof.decode_rows(batch, context, seed=batch + context) as step:
         x_TH, cos_TD, sin_TD = prof.model.embed(step)
-        run = graphed(lambda: prof.attention(step, x_TH, cos_TD, sin_TD), prof.device, args.eager)
-        return median_ms(prof.device, run, args.warmup, args.repeats)
+        return per_rep_ms(prof, lambda i: prof.attention(step, x_TH, cos_TD, sin_TD, i), args)
 
 
 def experts_ms(prof: LayerProfile, tokens: int, args) -> float:
     x = prof.inputs(tokens, seed=tokens)
-    run = graphed(lambda: prof.experts(x), prof.device, args.eager)
-    return median_ms(prof.device, run, args.warmup, args.repeats)
+    return per_rep_ms(prof, lambda i: prof.experts(x, i), args)
 
 
 def overlap_row(prof: LayerProfile, batch: int, context: int, tokens: int, args) -> dict:
-    """Attention of one micro-batch and experts of another: alone, summed, and on two streams at once."""
-    device = prof.device
+    """Attention of one micro-batch and experts of another: alone, summed, and on two streams at once (each a
+    graph of R reps, so R layers of attention run beside R layers of experts; all times per rep)."""
+    device, reps = prof.device, prof.num_layers
     x = prof.inputs(tokens, seed=tokens)
     with prof.decode_rows(batch, context, seed=batch + context) as step:
         x_TH, cos_TD, sin_TD = prof.model.embed(step)
-        attention = graphed(lambda: prof.attention(step, x_TH, cos_TD, sin_TD), device, args.eager)
-        experts = graphed(lambda: prof.experts(x), device, args.eager)
-        row = {
-            "attention_ms": median_ms(device, attention, args.warmup, args.repeats),
-            "experts_ms": median_ms(device, experts, args.warmup, args.repeats),
-        }
-        row["sum_ms"] = row["attention_ms"] + row["experts_ms"]
+        attention = graphed(
+            repeated(lambda i: prof.attention(step, x_TH, cos_TD, sin_TD, i), reps), device, args.eager
+        )
+        experts = graphed(repeated(lambda i: prof.experts(x, i), reps), device, args.eager)
         both = two_streams(attention, experts, device)
-        row["two_streams_ms"] = median_ms(device, both, args.warmup, args.repeats)
+        row = {
+            name: median_ms(device, fn, args.warmup, args.repeats) / reps
+            for name, fn in (("attention_ms", attention), ("experts_ms", experts), ("two_streams_ms", both))
+        }
+    row["sum_ms"] = row["attention_ms"] + row["experts_ms"]
     return row
+
+
+def step_parts(prof: LayerProfile, batch: int, context: int, rows: dict, args) -> tuple[float, float]:
+    """(attention ms at batch x context, experts ms at `batch` tokens): the sections' rows where they have the
+    point, else measured now the same way."""
+    attention = {(r["batch"], r["context"]): r["ms"] for r in rows["attention"]}.get((batch, context))
+    experts = {r["tokens"]: r["ms"] for r in rows["experts"]}.get(batch)
+    if attention is None:
+        attention = attention_ms(prof, batch, context, args)
+    if experts is None:
+        experts = experts_ms(prof, batch, args)
+    return attention, experts
 
 
 # --------------------------------------------------------------------------------------------- sections
 def layer_sections(run: Recorder, args, base: dict, device: torch.device, dtype: torch.dtype) -> None:
-    """Sections attention, experts and overlap on one LayerProfile whose cache holds their largest point."""
-    spec = MoeModelSpec.from_hf_config(model_config(base, 1))
+    """Sections attention, experts and overlap, and the parts of the overhead section's points (run.parts), on one
+    LayerProfile of `--graph-reps` layers whose cache holds their largest point."""
+    spec = MoeModelSpec.from_hf_config(model_config(base, args.graph_reps))
     grid = [(b, c) for c in args.contexts for b in args.batches]
     overlap = [] if device.type != "cuda" else list(args.overlap)
-    fit, why = fitting(grid + [(b, c) for b, c, _ in overlap], spec, dtype, kv_budget(spec, device, dtype))
-    prof = LayerProfile(base, device, dtype, **engine_sizes(fit or [(1, 1)]))
+    points = grid + [(b, c) for b, c, _ in overlap] + step_grid(args)
+    fit, why = fitting(points, spec, dtype, kv_budget(spec, device, dtype))
+    prof = LayerProfile(base, device, dtype, **engine_sizes(fit or [(1, 1)]), num_layers=args.graph_reps)
     run.out["meta"]["expert_paths"] = {t: prof.expert_path(t) for t in args.expert_tokens}
 
     def attention() -> list[dict]:
@@ -355,29 +417,53 @@ def layer_sections(run: Recorder, args, base: dict, device: torch.device, dtype:
                 run.point("overlap", point, lambda p=(batch, context, tokens): overlap_row(prof, *p, args))
         return run.out["overlap"]
 
-    for name, fn in (("attention", attention), ("experts", experts), ("overlap", overlapped)):
+    def parts() -> None:
+        for batch, context in step_grid(args):
+            if (batch, context) in why or run.over():
+                continue  # the overhead section skips the point, with the reason
+            point = {"batch": batch, "context": context}
+            got = run.attempt(
+                "overhead", point, lambda b=batch, c=context: step_parts(prof, b, c, run.out, args)
+            )
+            if got is not None:
+                run.parts[batch, context] = got
+
+    for name, fn in (("attention", attention), ("experts", experts)):
         section(name, fn, run.out)
         save(run.out, args.json)
+    parts()  # before the overlap study: the planner needs the overhead, within the time budget
+    section("overlap", overlapped, run.out)
+    save(run.out, args.json)
+
+
+def step_grid(args) -> list[tuple[int, int]]:
+    """(batch, context) points of the steps and overhead sections."""
+    return [(b, c) for c in args.step_contexts for b in args.step_batches]
+
+
+def step_engine(run: Recorder, args, base: dict, num_layers: int, device, dtype):
+    """(an engine of `num_layers` layers, CUDA graphs on unless --eager, whose KV holds the largest step point
+    that fits, or None; {point: why not} for the points that do not fit)."""
+    cfg = model_config(base, num_layers)
+    spec = MoeModelSpec.from_hf_config(cfg)
+    fit, why = fitting(step_grid(args), spec, dtype, kv_budget(spec, device, dtype))
+    if not fit or run.over():  # past the budget every point is skipped: no engine to build
+        return None, why
+    sizes = engine_sizes(fit)
+    config = RolloutConfig(
+        max_model_len=sizes["max_len"],
+        max_batch_size=sizes["max_rows"],
+        max_step_tokens=max(2048, sizes["max_rows"]),
+        kv_cache_tokens=sizes["num_positions"],
+        cuda_graphs=not args.eager,
+    )
+    return RolloutEngine.from_config(cfg, device=device, dtype=dtype, config=config, seed=0), why
 
 
 def steps_section(run: Recorder, args, base: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    """Whole decode steps of a `--step-layers` engine (CUDA graphs on unless --eager) where the KV fits."""
-    cfg = model_config(base, args.step_layers)
-    spec = MoeModelSpec.from_hf_config(cfg)
-    grid = [(b, c) for c in args.step_contexts for b in args.step_batches]
-    fit, why = fitting(grid, spec, dtype, kv_budget(spec, device, dtype))
-    engine = None
-    if fit and not run.over():  # past the budget every point is skipped: no engine to build
-        sizes = engine_sizes(fit)
-        config = RolloutConfig(
-            max_model_len=sizes["max_len"],
-            max_batch_size=sizes["max_rows"],
-            max_step_tokens=max(2048, sizes["max_rows"]),
-            kv_cache_tokens=sizes["num_positions"],
-            cuda_graphs=not args.eager,
-        )
-        engine = RolloutEngine.from_config(cfg, device=device, dtype=dtype, config=config, seed=0)
-    for batch, context in grid:
+    """Whole decode steps of a `--step-layers` engine where the KV fits."""
+    engine, why = step_engine(run, args, base, args.step_layers, device, dtype)
+    for batch, context in step_grid(args):
         point = {"layout": "replicas", "batch": batch, "context": context, "num_layers": args.step_layers}
         if (batch, context) in why:
             run.skip("steps", point, why[batch, context])
@@ -389,6 +475,40 @@ def steps_section(run: Recorder, args, base: dict, device: torch.device, dtype: 
     engine = None  # its KV cache goes before the JSON is written
     free_memory()
     return run.out["steps"]
+
+
+def overhead_row(engine: RolloutEngine, batch: int, context: int, parts, args, device) -> dict:
+    """The one-layer step minus its layer: ms = step_ms - attention_ms - experts_ms."""
+    step = time_replay(engine, batch, at_context(context, args.repeats), device)
+    attention, experts = parts
+    return {
+        "ms": step - attention - experts,
+        "step_ms": step,
+        "attention_ms": attention,
+        "experts_ms": experts,
+    }
+
+
+def overhead_section(run: Recorder, args, base: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """The step's fixed cost at every step point: a ONE-layer engine's whole step minus run.parts (that layer's
+    attention and experts, measured by layer_sections)."""
+    engine, why = step_engine(run, args, base, 1, device, dtype)
+    for batch, context in step_grid(args):
+        point = {"batch": batch, "context": context}
+        parts = run.parts.get((batch, context))
+        if (batch, context) in why:
+            run.skip("overhead", point, why[batch, context])
+        elif parts is None:
+            run.skip("overhead", point, "no attention/experts time at this point (see skipped and errors)")
+        else:
+            run.point(
+                "overhead",
+                point,
+                lambda b=batch, c=context, p=parts: overhead_row(engine, b, c, p, args, device),
+            )
+    engine = None  # its KV cache goes before the next section's engine
+    free_memory()
+    return run.out["overhead"]
 
 
 def new_profile(args, base: dict, device: torch.device) -> dict:
@@ -413,6 +533,7 @@ def new_profile(args, base: dict, device: torch.device) -> dict:
         "experts": [],
         "overlap": [],
         "steps": [],
+        "overhead": [],
         "skipped": [],
         "errors": [],
         "meta": {
@@ -448,6 +569,13 @@ def print_tables(out: dict) -> None:
     print("\n| layout | layers | batch | context | step ms |\n|---|---|---|---|---|")
     for r in out["steps"]:
         print(f"| {r['layout']} | {r['num_layers']} | {r['batch']} | {r['context']} | {r['step_ms']:.2f} |")
+    print("\n| batch | context | 1-layer step ms | attention ms | experts ms | overhead ms |")
+    print("|---|---|---|---|---|---|")
+    for r in out["overhead"]:
+        print(
+            f"| {r['batch']} | {r['context']} | {r['step_ms']:.3f} | {r['attention_ms']:.3f} | "
+            f"{r['experts_ms']:.3f} | {r['ms']:.3f} |"
+        )
     errors = out["errors"] + [
         {"section": k[: -len("_error")], "error": v} for k, v in out.items() if k.endswith("_error")
     ]
@@ -467,18 +595,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="toy shapes on the CPU (smoke test of the script)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--batches", type=int_list, default=[1, 8, 32, 64, 128, 256])
+    # Defaults sized for ~150 s on a fresh H100 (cold Triton / Inductor caches: most of the time is compiling),
+    # inside --time-budget-s 200: the fits have 3 coefficients each, and the step points are among them
+    ap.add_argument("--batches", type=int_list, default=[1, 32, 128, 256])
     ap.add_argument("--contexts", type=int_list, default=[1024, 4096, 13312])
-    ap.add_argument("--expert-tokens", type=int_list, default=[1, 8, 32, 64, 128, 256, 512, 1024, 2048])
+    ap.add_argument("--expert-tokens", type=int_list, default=[1, 8, 32, 64, 256, 1024, 2048])
     ap.add_argument(
         "--overlap",
         type=overlap_points,
-        default=overlap_points("32:4096:256,64:4096:512,128:13312:1024,256:4096:2048"),
+        default=overlap_points("32:4096:256,128:13312:1024"),
         help="batch:context:tokens points of the overlap section",
     )
     ap.add_argument("--step-layers", type=int, default=4)
     ap.add_argument("--step-batches", type=int_list, default=[1, 32, 256])
     ap.add_argument("--step-contexts", type=int_list, default=[4096, 13312])
+    ap.add_argument(
+        "--graph-reps",
+        type=int,
+        default=8,
+        help="reps (one per layer of the timing engine) in one CUDA graph per timed layer part; time / reps",
+    )
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--eager", action="store_true", help="time op by op (no CUDA graphs)")
@@ -490,6 +626,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if not args.profile:
         ap.error("nothing to do: pass --profile")
+    if args.graph_reps < 1:
+        ap.error("--graph-reps must be >= 1")
     return args
 
 
@@ -509,7 +647,10 @@ def main(argv: list[str] | None = None) -> dict:
                 {"section": "attention,experts,overlap", "error": f"{type(err).__name__}: {err}"}
             )
             free_memory()
-        section("steps", lambda: steps_section(run, args, base, device, dtype), run.out)
+        # overhead before steps: the planner needs it, the steps only check the planner
+        for name, fn in (("overhead", overhead_section), ("steps", steps_section)):
+            section(name, lambda f=fn: f(run, args, base, device, dtype), run.out)
+            save(run.out, args.json)
     run.out["meta"]["seconds"] = time.monotonic() - t0
     save(run.out, args.json)
     print_tables(run.out)

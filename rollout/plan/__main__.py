@@ -78,10 +78,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dispatch",
         choices=DISPATCH_MODES,
-        default="all",
-        help="all: every token to every expert worker (rollout/disagg.py); routed: only where routed",
+        default="routed",
+        help="routed: a token only to the expert workers holding its experts (rollout/disagg.py); all: to every one",
     )
-    p.add_argument("--profile", help="rollout-profile/1 JSON (bench/rollout_disagg.py --profile)")
+    p.add_argument("--profile", help="rollout-profile/2 (or /1) JSON (bench/rollout_disagg.py --profile)")
     p.add_argument("--expert-fit", choices=EXPERT_FORMS, default="touched", help="form of the T_e fit")
     p.add_argument("--layout", choices=("auto", "replicas", "disaggregated"), default="auto")
     p.add_argument("--micro-batches", default="3,4", help="m values to try, within 1..4")
@@ -155,15 +155,26 @@ def build(args: argparse.Namespace) -> tuple[Search, Profile | None]:
     return Search(model, times, Workload(args.prompt_len, args.output_len, args.latency_ms), cluster), profile
 
 
+def print_times(times: LayerTimes) -> None:
+    print(f"times: {times.source}")
+    if times.note:
+        print(f"note: {times.note}")
+
+
 def run_validate(args: argparse.Namespace, s: Search, profile: Profile | None) -> dict[str, Any]:
     measured = load_profile(args.validate)
     times = s.times
     if profile is None and measured.attention and measured.experts:
         times = fitted_times(measured, s.cluster.gpu, args.expert_fit)
     checks = validate(times, s.model, measured.steps)
-    print(f"times: {times.source}")
+    print_times(times)
     print(format_checks(checks))
-    return {"validate": str(args.validate), "times": times.source, "rows": [check_row(c) for c in checks]}
+    return {
+        "validate": str(args.validate),
+        "times": times.source,
+        "note": times.note,
+        "rows": [check_row(c) for c in checks],
+    }
 
 
 def run_decode(args: argparse.Namespace, s: Search) -> dict[str, Any]:
@@ -174,7 +185,8 @@ def run_decode(args: argparse.Namespace, s: Search) -> dict[str, Any]:
         f"model: {s.model.name}; {s.cluster.num_gpus} x {s.cluster.gpu.name}; context {w.prompt_len}+"
         f"{w.output_len}; latency target {w.latency_ms if w.latency_ms is not None else 'none'} ms"
     )
-    print(f"times: {s.times.source}\n")
+    print_times(s.times)
+    print()
     print(format_plan(plans[0]))
     print(f"\ntop {min(args.top, len(plans))} of {len(plans)} structures (best batch of each):")
     print(format_table(plans, args.top))

@@ -1,4 +1,4 @@
-"""Per-layer times of one GPU: read from a profile JSON (`rollout-profile/1`, written by
+"""Per-layer times of one GPU: read from a profile JSON (`rollout-profile/2` or `/1`, written by
 `bench/rollout_disagg.py --profile`) and fitted, or built from the roofline of a GPU preset.
 
 Fits (non-negative least squares on relative error, so that 0.05 ms and 5 ms points weigh alike and every slope
@@ -11,6 +11,13 @@ stays >= 0, which keeps times monotone in the batch and the binary search of the
   experts t tokens touch: a fine-grained MoE re-reads nearly every expert per micro-batch, so the time follows
   the weight bytes touched (e1) before the FLOPs (e2). Form "linear" is MegaScale-Infer's T_e = k3 t + k4.
   A worker holding E_w of the E experts scales the D and t K terms by E_w / E (and by 1 / g under TP).
+- step overhead: O(b) = o0 + o1 b, the fixed cost of one decode step of b rows beyond its L layers (embedding,
+  final norm + LM head, sampling, host copies and the step's one sync), fitted by NNLS on absolute error (the
+  rows are differences of measurements, so a few may be ~0 or slightly negative) to the profile's "overhead"
+  rows (schema /2). So a step is predicted as L (T_a + T_e [+ 2 T_c]) + O(b) (rollout/plan/search.py). O is
+  measured on one GPU and kept whole under TP (conservative, like a0). A profile without overhead rows (schema
+  /1, or the section skipped) and the analytic roofline keep the former fixed cost, the LM head's roofline
+  alone (LayerTimes.note says so).
 
 Legend: b decode rows, C context, t tokens, E experts, K top-k, E_w experts of one worker, g TP degree.
 """
@@ -28,7 +35,8 @@ import numpy as np
 from rollout.plan.hardware import GpuSpec, ModelShape
 from rollout.plan.perf import distinct_experts, roofline_ms
 
-SCHEMA = "rollout-profile/1"
+SCHEMA = "rollout-profile/2"
+SCHEMAS = ("rollout-profile/1", SCHEMA)  # /1: no "overhead" section, times of one graph per layer part
 MODEL_KEYS = ("hidden_size", "num_experts", "top_k", "moe_ffn", "num_heads", "num_kv_heads", "head_dim")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 EXPERT_FORMS = ("touched", "linear")
@@ -57,6 +65,15 @@ class StepPoint:
 
 
 @dataclass(frozen=True)
+class OverheadPoint:
+    """A step's fixed cost at `batch` rows: a one-layer step minus its layer (ms may be <= 0 from noise)."""
+
+    batch: int
+    context: int
+    ms: float
+
+
+@dataclass(frozen=True)
 class Profile:
     source: str
     device: str
@@ -65,6 +82,7 @@ class Profile:
     attention: tuple[AttentionPoint, ...]
     experts: tuple[ExpertPoint, ...]
     steps: tuple[StepPoint, ...]
+    overhead: tuple[OverheadPoint, ...] = ()
 
 
 # ------------------------------------------------------------------------------------------- reading
@@ -77,9 +95,9 @@ def load_profile(path: str | Path) -> Profile:
 
 
 def parse_profile(data: Any, where: str) -> Profile:
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+    if not isinstance(data, dict) or data.get("schema") not in SCHEMAS:
         got = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise ValueError(f"profile {where}: schema={got!r}; expected {SCHEMA!r}")
+        raise ValueError(f"profile {where}: schema={got!r}; expected one of {list(SCHEMAS)}")
     return Profile(
         source=where,
         device=str(data.get("device", "?")),
@@ -94,6 +112,7 @@ def parse_profile(data: Any, where: str) -> Profile:
             for i, r in enumerate(_list(data, "experts", where))
         ),
         steps=tuple(_step(r, i, where) for i, r in enumerate(_list(data, "steps", where))),
+        overhead=tuple(_overhead(r, i, where) for i, r in enumerate(_list(data, "overhead", where))),
     )
 
 
@@ -122,6 +141,16 @@ def _step(row: Any, i: int, where: str) -> StepPoint:
     if layout != "replicas":
         raise ValueError(f"profile {where}: steps[{i}] layout={layout!r}; only 'replicas' steps are modelled")
     return StepPoint(layout=layout, **nums)
+
+
+def _overhead(row: Any, i: int, where: str) -> OverheadPoint:
+    """An overhead row: batch and context > 0; ms any finite number (a difference of two measurements)."""
+    if not isinstance(row, dict) or any(k not in row for k in ("batch", "context", "ms")):
+        raise ValueError(f"profile {where}: overhead[{i}] = {row}; expected keys ['batch', 'context', 'ms']")
+    point = OverheadPoint(int(row["batch"]), int(row["context"]), float(row["ms"]))
+    if point.batch <= 0 or point.context <= 0 or not np.isfinite(point.ms):
+        raise ValueError(f"profile {where}: overhead[{i}] = {row}: batch, context must be > 0, ms finite")
+    return point
 
 
 def _model(data: dict, where: str) -> ModelShape:
@@ -259,13 +288,33 @@ class RooflineExperts:
 
 
 @dataclass(frozen=True)
+class FittedOverhead:
+    """O(b) = o0 + o1 b (see the module docstring)."""
+
+    coef: tuple[float, float]
+
+    def ms(self, batch: float) -> float:
+        o0, o1 = self.coef
+        return o0 + o1 * batch
+
+
+@dataclass(frozen=True)
 class LayerTimes:
-    """What the planner reads: one layer's attention and expert times, the LM head, and where they came from."""
+    """What the planner reads: one layer's attention and expert times, the step's fixed cost (the fitted overhead
+    O(b), else the LM head's roofline), where they came from, and a note when the overhead is missing."""
 
     attention: AttentionTime
     experts: ExpertTime
     head_gpu: GpuSpec
     source: str
+    overhead: FittedOverhead | None = None
+    note: str | None = None
+
+    def fixed_ms(self, model: ModelShape, batch: float, tp: int) -> float:
+        """A step's cost beyond its layers: O(b) when fitted (whole under TP), else head_ms."""
+        if self.overhead is not None:
+            return self.overhead.ms(batch)
+        return self.head_ms(model, batch, tp)
 
     def head_ms(self, model: ModelShape, batch: float, tp: int) -> float:
         """LM head of one step (roofline: the V h weights read once, 2 b V h FLOPs), split over TP."""
@@ -298,6 +347,18 @@ def fit_experts(points: tuple[ExpertPoint, ...], model: ModelShape, form: str) -
     )
 
 
+def fit_overhead(points: tuple[OverheadPoint, ...]) -> FittedOverhead:
+    """O(b) = o0 + o1 b by NNLS on absolute error; o0 = max(0, mean) alone when the rows have one batch."""
+    if not points:
+        raise ValueError("profile: no overhead rows to fit")
+    batch_N = np.array([p.batch for p in points], dtype=float)
+    ms_N = np.array([p.ms for p in points])
+    if len(set(batch_N.tolist())) < 2:
+        return FittedOverhead((max(0.0, float(ms_N.mean())), 0.0))
+    coef = nnls(np.stack([np.ones_like(batch_N), batch_N], axis=1), ms_N)
+    return FittedOverhead((float(coef[0]), float(coef[1])))
+
+
 def analytic_times(model: ModelShape, gpu: GpuSpec) -> LayerTimes:
     source = (
         f"analytic roofline of {gpu.name} ({gpu.mem_bandwidth / 1e12:.2f} TB/s, {gpu.peak_flops / 1e12:.0f} "
@@ -321,4 +382,14 @@ def fitted_times(profile: Profile, gpu: GpuSpec, form: str) -> LayerTimes:
         f"profile {profile.source} ({profile.device}): T_a = {a0:.4f} + {a1:.2e} b + {a2:.2e} b C ms; "
         f"T_e ({form}) = {e0:.4f} + {e1:.2e} D(t) + {e2:.2e} t K ms"
     )
-    return LayerTimes(attention, experts, head_gpu, source)
+    if not profile.overhead:
+        note = (
+            f"profile {profile.source} has no 'overhead' rows (schema /1 or the section was skipped): the step's "
+            "fixed cost is the LM head's roofline alone (embedding, sampling, host copies and sync taken as 0)"
+        )
+        source += "; step fixed cost: LM head roofline"
+        return LayerTimes(attention, experts, head_gpu, source, note=note)
+    overhead = fit_overhead(profile.overhead)
+    o0, o1 = overhead.coef
+    source += f"; O = {o0:.4f} + {o1:.2e} b ms per step"
+    return LayerTimes(attention, experts, head_gpu, source, overhead)

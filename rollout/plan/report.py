@@ -80,6 +80,7 @@ def search_meta(s: Search) -> dict[str, Any]:
         "workload": dataclasses.asdict(s.workload),
         "cluster": {**dataclasses.asdict(s.cluster), "gpu": dataclasses.asdict(s.cluster.gpu)},
         "times": s.times.source,
+        "times_note": s.times.note,
     }
 
 
@@ -100,11 +101,12 @@ class Check:
 
 
 def predict_replica_step(times: LayerTimes, model: ModelShape, step: StepPoint) -> float:
-    """A one-GPU replica step of `num_layers` layers: L (T_a(b, C) + T_e(b)) + the LM head."""
+    """A one-GPU replica step of L = `num_layers` layers: L (T_a(b, C) + T_e(b)) + O(b), O the step's fixed cost
+    (the fitted overhead, else the LM head's roofline)."""
     layer = times.attention.ms(step.batch, step.context, 1) + times.experts.ms(
         step.batch, model.num_experts, 1
     )
-    return step.num_layers * layer + times.head_ms(model, step.batch, 1)
+    return step.num_layers * layer + times.fixed_ms(model, step.batch, 1)
 
 
 def validate(times: LayerTimes, model: ModelShape, steps: tuple[StepPoint, ...]) -> list[Check]:

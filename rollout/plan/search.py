@@ -13,8 +13,17 @@ k3' = k3 K / E and the two agree). n_a is tried rounded down and up, within the 
 Replicas: the GPUs form N / g replicas of g GPUs (TP for attention, EP for experts), each with all weights and its
 own KV cache; a step is L (T_a + T_e + 2 T_c) with T_c a ring all-reduce over NVLink (0 at g = 1).
 
-Both add the LM head (roofline) once per step. The objective is tokens/s per GPU over all N GPUs (a plan
-using fewer GPUs is copied N // used times; GPUs are all one kind, so per GPU = per cost).
+Both add the step's fixed cost once per step, so a step of b rows (replicas; disaggregated: b = m b_a rows of
+one attention worker) takes
+
+    replicas:       T_step = L (T_a + T_e + 2 T_c) + O(b)
+    disaggregated:  T_step = pingpong_iteration_ms(T_a, T_e, T_c, m, L) + O(m b_a)   (m = 1: L (T_a + T_e + 2 T_c))
+
+with O(b) = o0 + o1 b fitted to the profile's "overhead" rows (embedding, LM head, sampling, host copies, the
+sync; rollout/plan/profile.py), or the LM head's roofline where there are none. T_step is what equation 7 tests
+against the latency target and what divides the batch in the throughput. The objective is tokens/s per GPU
+over all N GPUs (a plan using fewer GPUs is copied N // used times; GPUs are all one kind, so per GPU = per
+cost).
 
 Why the binary search is exact: every time here is nondecreasing in the batch b and T(b) / b is nonincreasing
 (each term is affine with a non-negative intercept, concave with T(0) >= 0, or a max or sum of such), so a
@@ -66,8 +75,8 @@ class Workload:
 
 @dataclass(frozen=True)
 class Cluster:
-    """GPUs and links. Bandwidths in GB/s per GPU; `dispatch` "all" sends every token to every expert worker
-    (what rollout/disagg.py does), "routed" only to the workers holding one of its experts (the paper)."""
+    """GPUs and links. Bandwidths in GB/s per GPU; `dispatch` "routed" sends a token only to the expert workers
+    holding one of its experts (the paper and rollout/disagg.py), "all" to every expert worker."""
 
     num_gpus: int
     gpu: GpuSpec
@@ -76,7 +85,7 @@ class Cluster:
     nic_GBps: float = 50.0
     link_latency_us: float = 10.0
     mem_util: float = 0.9
-    dispatch: str = "all"
+    dispatch: str = "routed"
 
     @property
     def capacity(self) -> float:
@@ -179,7 +188,7 @@ def disagg_plan(s: Search, shape: Shape, b_a: int) -> Plan:
     t_a, t_e, t_c = disagg_stage_ms(s, shape, b_a)
     batch = shape.num_micro * shape.num_attn * b_a
     step = pingpong_iteration_ms(t_a, t_e, t_c, shape.num_micro, s.model.num_layers)
-    step += s.times.head_ms(s.model, shape.num_micro * b_a, shape.attn_tp)
+    step += s.times.fixed_ms(s.model, shape.num_micro * b_a, shape.attn_tp)
     check = pingpong_check(t_a, t_e, t_c, shape.num_micro)
     m = s.model
     return _finish(
@@ -284,7 +293,7 @@ def replica_plan(s: Search, shape: Shape, b: int) -> Plan:
     t_a = s.times.attention.ms(b, s.workload.context_avg, tp)
     t_e = s.times.experts.ms(b, m.num_experts, tp)
     t_c = replica_comm_ms(s, tp, b)
-    step = m.num_layers * (t_a + t_e + 2 * t_c) + s.times.head_ms(m, b, tp)
+    step = m.num_layers * (t_a + t_e + 2 * t_c) + s.times.fixed_ms(m, b, tp)
     return _finish(
         s,
         shape,

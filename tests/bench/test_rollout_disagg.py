@@ -1,6 +1,7 @@
-"""bench/rollout_disagg.py --profile: the JSON follows the rollout-profile/1 schema with every requested point
-present or reported as skipped, a failing point does not stop the run, and the attention part it times is the
-model's own layer (same output, reads the cached context through the block table)."""
+"""bench/rollout_disagg.py --profile: the JSON follows the rollout-profile/2 schema with every requested point
+present or reported as skipped, a failing point does not stop the run, the attention part it times is the
+model's own layer (same output, reads the cached context through the block table), each timed rep runs its own
+layer, and the overhead rows are a one-layer step minus its layer."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ ROW_KEYS = {
     "experts": {"tokens", "ms"},
     "overlap": {"batch", "context", "tokens", "attention_ms", "experts_ms", "sum_ms", "two_streams_ms"},
     "steps": {"layout", "batch", "context", "num_layers", "step_ms"},
+    "overhead": {"batch", "context", "ms", "step_ms", "attention_ms", "experts_ms"},
 }
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -49,6 +51,7 @@ def requested(args: dict) -> dict[str, list[dict]]:
             for c in args["step_contexts"]
             for b in args["step_batches"]
         ],
+        "overhead": [{"batch": b, "context": c} for c in args["step_contexts"] for b in args["step_batches"]],
     }
 
 
@@ -66,7 +69,7 @@ def profile(tmp_path_factory) -> dict:
 
 
 def test_profile_json_follows_the_schema(profile):
-    assert profile["schema"] == "rollout-profile/1"
+    assert profile["schema"] == "rollout-profile/2"
     assert profile["device"] == "cpu" and profile["dtype"] == "float32"
     assert isinstance(profile["copy_GBps"], float) and profile["copy_GBps"] > 0
     assert set(profile["model"]) == MODEL_KEYS
@@ -77,7 +80,7 @@ def test_profile_json_follows_the_schema(profile):
         assert isinstance(profile[name], list)
         for row in profile[name]:
             assert set(row) == keys, (name, row)
-            times = [v for k, v in row.items() if k.endswith("ms")]
+            times = [v for k, v in row.items() if k.endswith("ms") and (name, k) != ("overhead", "ms")]
             assert all(isinstance(t, float) and math.isfinite(t) and t > 0 for t in times), (name, row)
     assert all(r["layout"] == "replicas" for r in profile["steps"])
     assert profile["errors"] == [] and not [k for k in profile if k.endswith("_error")]
@@ -112,7 +115,7 @@ def test_a_failing_point_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
 
 def test_points_past_the_time_budget_are_skipped_and_the_json_still_written(tmp_path):
     out = run_tiny(tmp_path, "--time-budget-s", "0")
-    assert not out["attention"] and not out["experts"] and not out["steps"]
+    assert not out["attention"] and not out["experts"] and not out["steps"] and not out["overhead"]
     for name, points in requested(out["meta"]["args"]).items():
         assert all(len(find(out["skipped"], p, name)) == 1 for p in points)
 
@@ -130,9 +133,11 @@ def test_points_whose_kv_does_not_fit_are_skipped():
     assert budget == 4 * blocks * bench.BLOCK_SIZE * spec.num_kv_heads * spec.head_dim * 2 * 4
 
 
-def tiny_layer(device: str = "cpu", dtype: torch.dtype = torch.float32) -> bench.LayerProfile:
+def tiny_layer(
+    device: str = "cpu", dtype: torch.dtype = torch.float32, layers: int = 1
+) -> bench.LayerProfile:
     return bench.LayerProfile(
-        bench.TINY, torch.device(device), dtype, **bench.engine_sizes([(4, 40), (2, 100)])
+        bench.TINY, torch.device(device), dtype, **bench.engine_sizes([(4, 40), (2, 100)]), num_layers=layers
     )
 
 
@@ -192,3 +197,49 @@ def test_tiny_profile_on_cuda_times_every_section(tmp_path):
     assert out["overlap"] and out["meta"]["cuda_graphs"]
     for row in out["overlap"]:
         assert row["sum_ms"] == pytest.approx(row["attention_ms"] + row["experts_ms"])
+
+
+def test_overhead_rows_are_a_one_layer_step_minus_its_layer(profile):
+    """ms = step_ms - attention_ms - experts_ms, with the parts those sections measured at the same point (the
+    tiny step batches 1 and 4 are not expert token counts of the run: measured for the overhead section)."""
+    attention = {(r["batch"], r["context"]): r["ms"] for r in profile["attention"]}
+    experts = {r["tokens"]: r["ms"] for r in profile["experts"]}
+    assert len(profile["overhead"]) == len(requested(profile["meta"]["args"])["overhead"])
+    for row in profile["overhead"]:
+        assert row["ms"] == pytest.approx(row["step_ms"] - row["attention_ms"] - row["experts_ms"])
+        assert row["attention_ms"] == attention[row["batch"], row["context"]]
+        if row["batch"] in experts:
+            assert row["experts_ms"] == experts[row["batch"]]
+
+
+def test_each_rep_runs_its_own_layer_and_the_time_is_per_rep(monkeypatch):
+    """The graph of R reps calls the part on layers 0..R-1 (distinct weights: no rep finds the last one's in
+    L2), and the reported time is the timed call / R."""
+    prof = tiny_layer(layers=3)
+    calls = []
+    monkeypatch.setattr(bench, "median_ms", lambda device, fn, warmup, repeats: (fn(), 6.0)[1])
+    assert bench.per_rep_ms(prof, calls.append, bench.parse_args(["--profile", "--tiny"])) == 2.0
+    assert calls == [0, 1, 2]
+    with torch.inference_mode(), prof.decode_rows(2, 20, seed=3) as step:
+        x_TH, cos_TD, sin_TD = prof.model.embed(step)
+        outs = [prof.attention(step, x_TH, cos_TD, sin_TD, i)["residual_TH"] for i in range(3)]
+        moe = [prof.experts(prof.inputs(4, seed=0), i) for i in range(3)]
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
+    assert not torch.equal(moe[0], moe[1])
+
+
+def test_a_json_is_written_after_each_section(tmp_path, monkeypatch):
+    """A run cut short (here: the steps section dies) keeps the sections before it on disk."""
+    written = []
+    monkeypatch.setattr(
+        bench, "save", lambda out, path: written.append(json.loads(json.dumps(out, default=str)))
+    )
+
+    def boom(*args):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(bench, "steps_section", boom)
+    bench.main(["--profile", "--tiny", "--json", str(tmp_path / "p.json")])
+    with_overhead = [w for w in written if w["overhead"]]
+    assert with_overhead and "steps_error" not in with_overhead[0]
+    assert written[-1]["steps_error"] == "RuntimeError: killed"

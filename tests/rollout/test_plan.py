@@ -29,20 +29,25 @@ from rollout.plan.perf import (
 from rollout.plan.profile import (
     FittedAttention,
     FittedExperts,
+    FittedOverhead,
     LayerTimes,
+    OverheadPoint,
     analytic_times,
     fit_attention,
     fit_experts,
+    fit_overhead,
     nnls,
     parse_profile,
 )
 from rollout.plan.search import (
     Cluster,
     Search,
+    Shape,
     Workload,
     best_for_shape,
     brute_force,
     candidate_shapes,
+    evaluate,
     search_plans,
     with_latency,
 )
@@ -213,6 +218,9 @@ def _random_search(seed: int, latency: bool = True) -> Search:
         dispatch=rng.choice(["all", "routed"]),
     )
     workload = Workload(rng.randint(16, 64), rng.randint(16, 64), rng.uniform(1.0, 4.0) if latency else None)
+    # drawn last so the draws above stay those of the searches without an overhead term
+    if rng.random() < 0.5:
+        times = replace(times, overhead=FittedOverhead((rng.uniform(0, 0.3), rng.uniform(0, 2e-3))))
     return Search(TINY, times, workload, cluster)
 
 
@@ -391,7 +399,10 @@ def test_cli_rejects_a_wrong_profile(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"schema": "something-else/2"}))
     assert main(["--profile", str(bad)]) == 2
-    assert "schema='something-else/2'; expected 'rollout-profile/1'" in capsys.readouterr().err
+    assert (
+        "schema='something-else/2'; expected one of ['rollout-profile/1', 'rollout-profile/2']"
+        in capsys.readouterr().err
+    )
     qwen = model_preset("qwen3-30b-a3b")
     doc = _profile_json(analytic_times(qwen, gpu_preset("h100")), qwen)
     del doc["attention"][2]["ms"]
@@ -548,3 +559,108 @@ def test_fine_grained_steps_need_the_touched_form(tmp_path, capsys):
     capsys.readouterr()
     assert all(r["ok"] for r in out["touched"])
     assert not any(r["ok"] for r in out["linear"])
+
+
+# ----------------------------------------------------------------------------------- the step's fixed cost
+QWEN_ATTN = FittedAttention((0.02, 4e-4, 1.5e-7), 4)
+QWEN_EXPERTS = FittedExperts("touched", (0.01, 3e-3, 2e-6), 128, 8)
+OVERHEAD = FittedOverhead((0.9, 2e-3))
+
+
+def _exact_profile(model: ModelShape, with_overhead: bool) -> dict:
+    """A rollout-profile/2 document without noise: attention and experts rows from QWEN_ATTN / QWEN_EXPERTS (forms
+    the fits recover exactly), steps of exactly L (T_a + T_e) + O(b), overhead rows O(b) (or none)."""
+    doc = _profile_json(LayerTimes(QWEN_ATTN, QWEN_EXPERTS, gpu_preset("h100"), "exact"), model)
+    doc["schema"] = "rollout-profile/2"
+    for r in doc["attention"]:
+        r["ms"] = QWEN_ATTN.ms(r["batch"], r["context"], 1)
+    for r in doc["experts"]:
+        r["ms"] = QWEN_EXPERTS.ms(r["tokens"], model.num_experts, 1)
+    points = [(b, c) for b in (1, 32, 256) for c in (1024, 4096)]
+    doc["steps"] = [
+        {
+            "layout": "replicas",
+            "batch": b,
+            "context": c,
+            "num_layers": 4,
+            "step_ms": 4 * (QWEN_ATTN.ms(b, c, 1) + QWEN_EXPERTS.ms(b, model.num_experts, 1))
+            + OVERHEAD.ms(b),
+        }
+        for b, c in points
+    ]
+    doc["overhead"] = (
+        [{"batch": b, "context": c, "ms": OVERHEAD.ms(b)} for b, c in points] if with_overhead else []
+    )
+    return doc
+
+
+def _validate_rows(tmp_path, doc: dict, capsys) -> tuple[list[dict], str]:
+    prof = tmp_path / "exact.json"
+    prof.write_text(json.dumps(doc))
+    out = tmp_path / "check.json"
+    assert main(["--profile", str(prof), "--gpu", "h100", "--validate", str(prof), "--json", str(out)]) == 0
+    return json.loads(out.read_text())["rows"], capsys.readouterr().out
+
+
+def test_validate_with_the_fitted_overhead_is_exact(tmp_path, capsys):
+    qwen = model_preset("qwen3-30b-a3b")
+    rows, text = _validate_rows(tmp_path, _exact_profile(qwen, with_overhead=True), capsys)
+    assert len(rows) == 6 and all(abs(r["error"]) < 1e-9 for r in rows)
+    assert "O = 0.9000 + 2.00e-03 b ms per step" in text and "note:" not in text
+
+
+def test_validate_without_overhead_rows_keeps_the_lm_head_roofline_and_says_so(tmp_path, capsys):
+    qwen = model_preset("qwen3-30b-a3b")
+    times = LayerTimes(QWEN_ATTN, QWEN_EXPERTS, gpu_preset("h100"), "exact")
+    doc = _exact_profile(qwen, with_overhead=False)
+    doc["copy_GBps"] = times.head_gpu.mem_bandwidth / 1e9
+    for schema in ("rollout-profile/2", "rollout-profile/1"):
+        doc["schema"] = schema
+        if schema.endswith("/1"):
+            del doc["overhead"]
+        rows, text = _validate_rows(tmp_path, doc, capsys)
+        assert "note: profile" in text and "has no 'overhead' rows" in text
+        for r in rows:  # the old prediction: L (T_a + T_e) + the LM head's roofline
+            old = 4 * (QWEN_ATTN.ms(r["batch"], r["context"], 1) + QWEN_EXPERTS.ms(r["batch"], 128, 1))
+            assert r["predicted_ms"] == pytest.approx(old + times.head_ms(qwen, r["batch"], 1), rel=1e-9)
+            assert abs(r["error"]) > 1e-3
+
+
+def test_fit_overhead_recovers_clips_and_takes_one_batch():
+    points = tuple(OverheadPoint(b, 4096, OVERHEAD.ms(b)) for b in (1, 8, 64, 256))
+    assert fit_overhead(points).coef == pytest.approx(OVERHEAD.coef, rel=1e-9)
+    # a slope that falls with the batch is clipped to 0 (O stays nondecreasing, as the binary search needs)
+    falling = tuple(OverheadPoint(b, 1024, 1.0 - 1e-3 * b) for b in (1, 100, 200))
+    o0, o1 = fit_overhead(falling).coef
+    assert o1 == 0 and o0 == pytest.approx(np.mean([p.ms for p in falling]), rel=1e-9)
+    assert fit_overhead((OverheadPoint(4, 1024, 0.5), OverheadPoint(4, 4096, 0.7))).coef == pytest.approx(
+        (0.6, 0)
+    )
+    assert fit_overhead((OverheadPoint(4, 1024, -0.1),)).coef == (0.0, 0.0)
+
+
+def test_overhead_rows_parse_and_bad_ones_are_named():
+    qwen = model_preset("qwen3-30b-a3b")
+    doc = _exact_profile(qwen, with_overhead=True)
+    doc["overhead"][0]["ms"] = -0.01  # a difference of two measurements may dip below 0
+    assert parse_profile(doc, "x.json").overhead[0] == OverheadPoint(1, 1024, -0.01)
+    del doc["overhead"][1]["ms"]
+    with pytest.raises(ValueError, match=r"overhead\[1\]"):
+        parse_profile(doc, "x.json")
+
+
+def test_the_overhead_enters_every_step_of_the_search():
+    """Replicas: L (T_a + T_e + 2 T_c) + O(b); disaggregated: the ping-pong + O(m b_a); equation 7 tests those."""
+    qwen = model_preset("qwen3-30b-a3b")
+    base = LayerTimes(QWEN_ATTN, QWEN_EXPERTS, gpu_preset("h100"), "exact")
+    s = Search(qwen, replace(base, overhead=OVERHEAD), Workload(1024, 4096), Cluster(8, gpu_preset("h100")))
+    s_head = replace(s, times=base)
+    for shape, b in ((Shape("replicas", 1, 1, 1, 1, 1), 64), (Shape("disaggregated", 1, 3, 1, 4, 3), 16)):
+        p, old = evaluate(s, shape, b), evaluate(s_head, shape, b)
+        rows = b if shape.layout == "replicas" else shape.num_micro * b
+        assert p.step_ms == pytest.approx(old.step_ms - base.head_ms(qwen, rows, 1) + OVERHEAD.ms(rows))
+        assert p.tokens_per_s_per_gpu == pytest.approx(old.tokens_per_s_per_gpu * old.step_ms / p.step_ms)
+    replicas = Shape("replicas", 1, 1, 1, 1, 1)
+    target = evaluate(s, replicas, 16).step_ms  # the latency target a batch of 16 just meets with O(b)
+    assert best_for_shape(with_latency(s, target), replicas).batch == 16  # (the KV admits 21)
+    assert best_for_shape(with_latency(s_head, target), replicas).batch > 16  # the LM head alone costs less
