@@ -51,9 +51,8 @@ from rollout.weights import WeightMap, allocate, expert_of, init_random, is_expe
 
 STEP, END = 1, 2  # header ops
 MAX_MICRO_BATCHES = 4
-AUTO_MICRO_BATCHES = (
-    3  # MegaScale-Infer's m >= 3 (transfers under half a stage); a profile-driven plan may differ
-)
+# MegaScale-Infer's m >= 3 (transfers under half a stage); `python -m rollout.plan` may pick another m.
+AUTO_MICRO_BATCHES = 3
 _HEADER = 2 + MAX_MICRO_BATCHES  # op, m, tokens of each micro-batch
 
 
