@@ -35,6 +35,12 @@ class RolloutConfig:
         help="expert MLP path: grouped GEMMs; padded bmm for decode batches (auto on CUDA); persistent: the "
         "tile-scheduled Triton kernel (rollout.kernels, decode tiles first; CUDA or TRITON_INTERPRET=1)",
     )
+    max_decode_slowdown: float = spec(
+        0.0,
+        ge=0,
+        help="size each mixed step's prefill so decoding rows slow by at most this fraction (a tile cost model "
+        "fitted from the engine's own steps, rollout.step_cost); 0: prefill fills max_step_tokens",
+    )
     micro_batches: int = spec(
         0,
         ge=0,

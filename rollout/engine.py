@@ -8,7 +8,9 @@ prefill + decode steps, preemption, routing capture and T-PPO windows.
 
 Scheduling (one step = one forward): every decoding sequence contributes its next token, and prompts being
 prefilled fill the rest of the step's token budget (`max_step_tokens`) in chunks, so admitting a request never
-stalls the decoding rows. A request is admitted, oldest first, when a sequence row is free and the KV blocks its
+stalls the decoding rows; with `rollout.max_decode_slowdown` a tile cost model fitted from the engine's own steps
+(`rollout.step_cost`) shrinks that budget so a mixed step is predicted to take at most (1 + slowdown) x the
+decode-only step. A request is admitted, oldest first, when a sequence row is free and the KV blocks its
 prompt needs are free (beyond a small reserve for the rows that are decoding); a decoding sequence takes a new
 block when it crosses a block boundary. When none is free, the youngest running sequence is preempted: its
 blocks are freed and it goes back to the head of the queue with its tokens kept; when it is admitted again, its
@@ -32,7 +34,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,11 +42,13 @@ import numpy as np
 import torch
 
 from rollout.config import RolloutConfig
+from rollout.kernels.persistent_moe import BLOCK_M_DECODE, BLOCK_M_PREFILL
 from rollout.kv_cache import BlockTable, CachePlan, KVCache, available_bytes, plan_cache
 from rollout.model import MoeDecoder
 from rollout.model_spec import MoeModelSpec
 from rollout.runner import CACHE_ROW, POSITION, SEQ, TOKEN, StepInputs, StepOutputs, StepRunner
 from rollout.sampling import SamplingParams
+from rollout.step_cost import PrefillBudget, StepShape, phase_tiles
 from rollout.weights import WeightMap, allocate, init_random, load_checkpoint
 
 FINISH_REASONS = ("eos", "stop", "length")
@@ -186,6 +190,7 @@ class RolloutEngine:
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         self.route_dtype = np.uint8 if spec.num_experts <= 256 else np.int16
         self.last_stats = GenerateStats()
+        self.prefill_budget = self._prefill_budget()
 
     # ------------------------------------------------------------------------------------------ construction
     @classmethod
@@ -258,6 +263,15 @@ class RolloutEngine:
             source=source,
         )
 
+    def _prefill_budget(self) -> PrefillBudget | None:
+        """The mixed steps' prefill sizing (rollout.max_decode_slowdown), learning across generate calls."""
+        c, s = self.config, self.spec
+        if not c.max_decode_slowdown:
+            return None
+        return PrefillBudget(
+            c.max_decode_slowdown, s.num_experts, s.top_k, s.num_moe_layers, max_tokens=c.max_step_tokens
+        )
+
     def new_runner(self, cuda_graphs: bool) -> StepRunner:
         """The step runner (a fresh one after the device memory was released: graphs hold old addresses)."""
         c = self.config
@@ -306,7 +320,8 @@ class RolloutEngine:
             kv_blocks=plan.num_blocks - 1,
         )
         self.cache.reset()
-        scheduler = _Scheduler(self.cache.table, requests, self.config.max_step_tokens)
+        budget = self.prefill_budget.budget if self.prefill_budget is not None else None
+        scheduler = _Scheduler(self.cache.table, requests, self.config.max_step_tokens, budget)
         done: list[_Request] = []
         with torch.inference_mode():
             while not scheduler.idle:
@@ -318,6 +333,8 @@ class RolloutEngine:
                 seconds = time.perf_counter() - t0
                 done += self._advance(step, out, scheduler)
                 self._count(stats, step, inputs, out, held, seconds)
+                if self.prefill_budget is not None:
+                    self.prefill_budget.record(self._shape(inputs, out), seconds)
         stats.num_preemptions = scheduler.num_preemptions
         stats.num_generated_tokens = sum(len(r.tokens) for r in requests)
         stats.cuda_graphs, stats.num_graphs = self.runner.use_cuda_graphs, self.runner.num_graphs
@@ -464,6 +481,18 @@ class RolloutEngine:
             keys = int(inputs.tokens_T4[:n, POSITION].sum()) + n
             stats.steps.append(StepTrace(n, prefill, keys, held * table.plan.block_size, touched, seconds))
 
+    def _shape(self, inputs: StepInputs, out: StepOutputs) -> StepShape:
+        """The step as the cost model reads it: its rows, keys, and each phase's MoE tiles from its routing."""
+        n, e = inputs.num_decode, self.spec.num_experts
+        routes = out.routes_TLK
+        return StepShape(
+            rows=n,
+            keys=int(inputs.tokens_T4[:n, POSITION].sum()) + n,
+            dec_tiles=phase_tiles(routes[:n], e, BLOCK_M_DECODE),
+            prefill_tokens=inputs.num_tokens - n,
+            prefill_tiles=phase_tiles(routes[n:], e, BLOCK_M_PREFILL),
+        )
+
     def _output(self, r: _Request) -> GenerationOutput:
         assert r.num_routed == r.length, (r.num_routed, r.length)
         routes = r.routes_TLK[: r.num_routed].copy()
@@ -492,8 +521,15 @@ class _Step:
 class _Scheduler:
     """Admission, block growth and preemption over one `generate` call (see the module docstring)."""
 
-    def __init__(self, table: BlockTable, requests: list[_Request], max_step_tokens: int) -> None:
+    def __init__(
+        self,
+        table: BlockTable,
+        requests: list[_Request],
+        max_step_tokens: int,
+        prefill_budget: Callable[[int, int], int] | None = None,
+    ) -> None:
         self.table = table
+        self.prefill_budget = prefill_budget  # (decode rows, their keys) -> prefill tokens allowed
         self.waiting: deque[_Request] = deque(requests)
         self.running: list[_Request] = []  # admission order: the last is the youngest
         self.max_step_tokens = max_step_tokens
@@ -514,6 +550,8 @@ class _Scheduler:
                 self._grow(r)
         decode = [r for r in self.running if r.decoding]
         budget, pieces = self.max_step_tokens - len(decode), []
+        if self.prefill_budget is not None:
+            budget = min(budget, self.prefill_budget(len(decode), sum(r.length for r in decode)))
         for r in self.running:
             if budget <= 0:
                 break

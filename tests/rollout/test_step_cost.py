@@ -1,0 +1,118 @@
+"""The mixed steps' prefill sizing (rollout.step_cost): tile counts against a per-pair loop, the least-squares fit
+against known coefficients, the budget as the largest prefill within the slowdown bound, and the engine with a
+budget against the engine without one (same tokens, log-probs and routes; every mixed step within its budget)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from rollout_testlib import save_tiny_model
+
+from rollout import RolloutEngine, SamplingParams
+from rollout.config import RolloutConfig
+from rollout.step_cost import FEATURES, PrefillBudget, StepShape, phase_tiles
+
+COEF = np.array([2e-3, 1e-5, 2e-8, 4e-6, 3e-6, 2e-5])  # seconds: per step, row, key, decode tile, token, tile
+
+
+def test_phase_tiles_equals_a_loop():
+    rng = np.random.default_rng(0)
+    routes = rng.integers(0, 8, size=(50, 3, 2))
+    want = 0
+    for layer in range(3):
+        for e in range(8):
+            want += math.ceil(int((routes[:, layer] == e).sum()) / 16)
+    assert phase_tiles(routes, 8, 16) == want
+    assert phase_tiles(routes[:0], 8, 16) == 0
+
+
+def _budget(**kw) -> PrefillBudget:
+    return PrefillBudget(
+        **{"slowdown": 0.1, "num_experts": 64, "top_k": 8, "num_moe_layers": 4, "max_tokens": 2048, **kw}
+    )
+
+
+def test_fit_recovers_the_coefficients_of_exact_steps():
+    model, rng = _budget(), np.random.default_rng(1)
+    for _ in range(40):
+        rows, p = int(rng.integers(0, 64)), int(rng.choice([0, 0, int(rng.integers(1, 2000))]))
+        shape = model.expected(rows, int(rng.integers(0, 300_000)), p)
+        model.record(shape, float(shape.features() @ COEF))
+    assert model.coef is not None and len(model.coef) == len(FEATURES)
+    np.testing.assert_allclose(model.coef, COEF, rtol=1e-6, atol=1e-12)
+
+
+def test_unfitted_without_both_kinds_of_step():
+    model = _budget(min_steps=4, refit_every=1)
+    for rows in range(1, 9):  # decode-only steps
+        model.record(model.expected(rows, 1000, 0), 0.01)
+    assert model.coef is None and model.budget(8, 1000) == 2048
+
+
+CHEAP_TILES = np.array([2e-3, 1e-5, 2e-8, 4e-6, 3e-6, 2e-6])
+
+
+@pytest.mark.parametrize(
+    ("rows", "keys", "slowdown"), [(8, 40_000, 0.3), (64, 500_000, 0.2), (64, 500_000, 0.05)]
+)
+def test_budget_is_the_largest_prefill_within_the_bound(rows, keys, slowdown):
+    model = _budget(slowdown=slowdown, coef=CHEAP_TILES)
+    p = model.budget(rows, keys)
+    bound = (1 + slowdown) * model.predict(model.expected(rows, keys, 0))
+    assert model.predict(model.expected(rows, keys, p)) <= bound
+    assert p == model.max_tokens or model.predict(model.expected(rows, keys, p + 1)) > bound
+    assert model.min_tokens < p < model.max_tokens  # these cases bind above the floor
+
+
+def test_budget_floor_and_rows_free_steps():
+    model = _budget(slowdown=0.1, coef=COEF)
+    # each prefill token opens new 64-row tiles in ~8 experts x 4 layers: even one breaks a 10% bound here
+    assert model.predict(model.expected(8, 40_000, 1)) > 1.1 * model.predict(model.expected(8, 40_000, 0))
+    assert model.budget(8, 40_000) == 16  # prefill always progresses
+    assert model.budget(0, 0) == 2048  # no decoding row to protect
+
+
+def test_engine_with_a_budget_gives_the_same_outputs_within_each_steps_budget(tmp_path):
+    save_tiny_model("qwen3_moe", tmp_path, seed=2)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 96, size=n).tolist() for n in (30, 9, 41, 14, 60, 22, 7)]
+    params = [
+        SamplingParams(max_new_tokens=n, temperature=1.0, seed=s)
+        for s, n in enumerate((20, 35, 9, 28, 14, 30, 25))
+    ]
+    base = dict(
+        max_model_len=128, max_batch_size=4, kv_cache_tokens=4 * 128, max_step_tokens=64, trace_steps=True
+    )
+    plain = RolloutEngine.from_pretrained(tmp_path, config=RolloutConfig(**base)).generate(prompts, params)
+    engine = RolloutEngine.from_pretrained(tmp_path, config=RolloutConfig(**base, max_decode_slowdown=0.2))
+    model = engine.prefill_budget
+    # a fitted model (as if from earlier calls) whose budget binds: prefill tokens cost as much as decode rows
+    model.coef = np.array([1e-4, 1e-4, 0.0, 0.0, 1e-4, 0.0])
+    outs = engine.generate(prompts, params)
+    for a, b in zip(outs, plain):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
+    steps = engine.last_stats.steps
+    mixed = [s for s in steps if s.num_decode and s.num_prefill]
+    assert mixed and all(s.num_prefill <= max(16, round(0.2 * (1 + s.num_decode))) for s in mixed)
+    assert any(s.num_prefill < 64 - s.num_decode for s in mixed)  # the budget, not max_step_tokens, bound
+
+
+def test_engine_fits_its_cost_model_from_its_own_steps(tmp_path):
+    save_tiny_model("qwen3_moe", tmp_path, seed=3)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 96, size=n).tolist() for n in rng.integers(5, 60, size=12)]
+    config = RolloutConfig(
+        max_model_len=128,
+        max_batch_size=4,
+        kv_cache_tokens=4 * 128,
+        max_step_tokens=32,
+        max_decode_slowdown=0.1,
+    )
+    engine = RolloutEngine.from_pretrained(tmp_path, config=config)
+    engine.generate(prompts, SamplingParams(max_new_tokens=20, temperature=0))
+    assert engine.prefill_budget.coef is not None and (engine.prefill_budget.coef >= 0).all()
+    assert isinstance(engine.prefill_budget.expected(4, 100, 10), StepShape)
