@@ -94,6 +94,7 @@ TINY_ARGS = dict(
     kv_tokens=480,
     max_batch_size=16,
     max_step_tokens=64,
+    max_decode_slowdown=0.2,  # exercises the tile cost model (rollout.step_cost) in the smoke run
     warmup_tokens=4,
     long_rows=4,
     long_context=32,
@@ -125,6 +126,7 @@ def engine_config(args, kind: str) -> RolloutConfig:
         kv_block_size=args.block_size if kind == "paged" else 0,
         max_batch_size=args.max_batch_size,
         max_step_tokens=args.max_step_tokens,
+        max_decode_slowdown=args.max_decode_slowdown,
         kv_cache_tokens=args.kv_tokens,
         cuda_graphs=not args.eager,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
@@ -522,6 +524,12 @@ def main() -> None:
     )
     ap.add_argument("--max-batch-size", type=int, default=256)
     ap.add_argument("--max-step-tokens", type=int, default=2048)
+    ap.add_argument(
+        "--max-decode-slowdown",
+        type=float,
+        default=0.0,
+        help="rollout.max_decode_slowdown: mixed steps' prefill sized by the tile cost model (0: off)",
+    )
     ap.add_argument("--cuda-graph-max-tokens", type=int, default=1024)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument(
