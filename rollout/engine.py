@@ -48,7 +48,7 @@ from rollout.model import MoeDecoder
 from rollout.model_spec import MoeModelSpec
 from rollout.runner import CACHE_ROW, POSITION, SEQ, TOKEN, StepInputs, StepOutputs, StepRunner
 from rollout.sampling import SamplingParams
-from rollout.step_cost import PrefillBudget, StepShape, phase_tiles
+from rollout.step_cost import PrefillBudget, StepShape, layer_expert_counts, phase_tiles
 from rollout.weights import WeightMap, allocate, init_random, load_checkpoint
 
 FINISH_REASONS = ("eos", "stop", "length")
@@ -475,9 +475,7 @@ class RolloutEngine:
         stats.kv_block_steps += held
         stats.peak_running = max(stats.peak_running, step.num_running)
         if self.config.trace_steps:
-            layers, experts = self.spec.num_moe_layers, self.spec.num_experts
-            flat = (np.arange(layers)[None, :, None] * experts + out.routes_TLK).ravel()
-            touched = int((np.bincount(flat, minlength=layers * experts) > 0).sum())
+            touched = int((layer_expert_counts(out.routes_TLK, self.spec.num_experts) > 0).sum())
             keys = int(inputs.tokens_T4[:n, POSITION].sum()) + n
             stats.steps.append(StepTrace(n, prefill, keys, held * table.plan.block_size, touched, seconds))
 

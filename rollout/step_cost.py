@@ -28,19 +28,21 @@ import numpy as np
 from scipy.optimize import nnls
 
 from rollout.kernels.persistent_moe import BLOCK_M_DECODE, BLOCK_M_PREFILL
-from rollout.plan.perf import expected_tiles
+from rollout.plan.perf import expected_tiles, tiles
 
 FEATURES = ("one", "rows", "keys", "dec_tiles", "prefill_tokens", "prefill_tiles")
 
 
-def phase_tiles(routes_TLK: np.ndarray, num_experts: int, tile_m: int) -> int:
-    """sum over MoE layers l and experts e of ceil(m_le / tile_m): the tiles one phase's tokens occupy."""
-    if not len(routes_TLK):
-        return 0
+def layer_expert_counts(routes_TLK: np.ndarray, num_experts: int) -> np.ndarray:
+    """[L * E]: the (token, top-k) pairs of each MoE layer's experts in a step's routing."""
     layers = routes_TLK.shape[1]
     flat = (np.arange(layers)[None, :, None] * num_experts + routes_TLK.astype(np.int64)).ravel()
-    counts = np.bincount(flat, minlength=layers * num_experts)
-    return int(np.ceil(counts / tile_m).sum())
+    return np.bincount(flat, minlength=layers * num_experts)
+
+
+def phase_tiles(routes_TLK: np.ndarray, num_experts: int, tile_m: int) -> int:
+    """sum over MoE layers l and experts e of ceil(m_le / tile_m): the tiles one phase's tokens occupy."""
+    return tiles(layer_expert_counts(routes_TLK, num_experts), tile_m)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ import numpy as np
 from rollout.plan.hardware import GB, GpuSpec, ModelShape, powers_of_two
 from rollout.plan.perf import comm_ms, expected_tiles, pingpong_iteration_ms, roofline_ms
 from rollout.plan.profile import Profile, relative_nnls
-from rollout.plan.search import Search, dispatch_bytes_per_token
+from rollout.plan.search import Search, Workload, dispatch_bytes_per_token
 
 TILE_M_DECODE = 16  # rollout/kernels/persistent_moe.py BLOCK_M_DECODE (not imported: that module needs torch)
 TILE_M_PREFILL = 64  # ... BLOCK_M_PREFILL
@@ -85,13 +85,9 @@ class Kernels:
 
 
 @functools.lru_cache(maxsize=65536)
-def _tiles(tokens: int, num_experts: int, top_k: int, tile_m: int) -> float:
-    return expected_tiles(tokens, num_experts, top_k, tile_m)
-
-
 def moe_tiles(model: ModelShape, tokens: float, tile_m: int) -> float:
     """Expected x_moe of one layer for `tokens` tokens."""
-    return _tiles(round(tokens), model.num_experts, model.top_k, tile_m)
+    return expected_tiles(round(tokens), model.num_experts, model.top_k, tile_m)
 
 
 def prefill_attention_ms(model: ModelShape, gpu: GpuSpec, seqs: float, length: float) -> float:
@@ -133,19 +129,11 @@ def build_kernels(s: Search, profile: Profile | None) -> Kernels:
 
 # ------------------------------------------------------------------------------------------ the layouts
 @dataclass(frozen=True)
-class Demand:
-    prompt_len: int
-    output_len: int
-    tpot_ms: float
-    prefill_tokens: int
+class Demand(Workload):
+    """The workload with the decode SLO (per-token time) and the prefill tokens of one pass."""
 
-    @property
-    def context_avg(self) -> float:
-        return self.prompt_len + self.output_len / 2
-
-    @property
-    def context_max(self) -> int:
-        return self.prompt_len + self.output_len
+    tpot_ms: float = 0.0
+    prefill_tokens: int = 0
 
     @property
     def prefill_seqs(self) -> int:
@@ -370,7 +358,12 @@ def evaluate_fixed(c: Ctx, lay: Layout) -> float:
 
 def make_ctx(s: Search, kernels: Kernels, tpot_ms: float, prefill_tokens: int) -> Ctx:
     w, cl = s.workload, s.cluster
-    demand = Demand(w.prompt_len, max(1, w.output_len), tpot_ms, prefill_tokens)
+    demand = Demand(
+        prompt_len=w.prompt_len,
+        output_len=max(1, w.output_len),
+        tpot_ms=tpot_ms,
+        prefill_tokens=prefill_tokens,
+    )
     return Ctx(
         s.model, kernels, demand, cl.num_gpus, cl.capacity, cl.link_bandwidth(cl.num_gpus), cl.link_latency_us
     )

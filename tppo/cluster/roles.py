@@ -176,10 +176,10 @@ class Rollout:
         if self.seats is None:
             self.ranks.call(RolloutWorker.load_weights, None, named_tensors)
             return
-        parts = []
-        for seat in self.seats:
-            dense, experts = split_weights(named_tensors, [seat.experts or range(0)])
-            parts.append((dense if seat.experts is None else experts[0],))
+        held = [seat.experts for seat in self.seats if seat.experts is not None]
+        dense, experts = split_weights(named_tensors, held)
+        by_range = dict(zip(held, experts))
+        parts = [(dense if seat.experts is None else by_range[seat.experts],) for seat in self.seats]
         self.ranks.call(RolloutWorker.load_weights, parts)
 
     def sleep(self) -> None:
