@@ -302,7 +302,8 @@ class Recorder:
 
     def __init__(self, out: dict, budget_s: float) -> None:
         self.out = out
-        self.deadline = time.monotonic() + budget_s
+        self.start = time.monotonic()
+        self.deadline = self.start + budget_s
         self.parts: dict[tuple[int, int], tuple[float, float]] = {}  # step point -> (attention, experts) ms
 
     def over(self) -> bool:
@@ -332,7 +333,7 @@ class Recorder:
         row = self.attempt(name, point, measure)
         if row is not None:
             self.out[name].append({**point, **row})
-            print(name, self.out[name][-1], flush=True)
+            print(f"[{time.monotonic() - self.start:.0f} s]", name, self.out[name][-1], flush=True)
 
 
 def attention_ms(prof: LayerProfile, batch: int, context: int, args) -> float:
