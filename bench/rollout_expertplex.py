@@ -13,6 +13,15 @@ fixed number of rows per expert plus grouped GEMMs over the overflow, where its 
 (rollout.kernels.persistent_moe). Time = median over `--repeats` of CUDA-event time after `--warmup` calls (wall
 time on the CPU); the largest difference to the fp32 reference (`moe_reference`) is reported too.
 
+Section `sweep`: the persistent kernel's launch parameters for one decode pass (`--sweep-decode` tokens) and one
+prefill pass (`--sweep-prefill`): programs per SM (`--sweep-programs`: the persistent grid is that many times the
+SM count; more than one resident program per SM hides more memory latency), blocks (`--sweep-decode-blocks`,
+`--sweep-prefill-blocks`: block_m of the pass's phase, block_n, block_k), warps and pipeline stages. Every
+configuration and the grouped path are timed as one CUDA graph of the whole call (tile table, both launches, combine: as the engine replays a step), so
+the host's launches are not timed; decode rows report the fraction of the copy bandwidth that reading the
+experts the pass routes to takes, prefill rows the fraction of the grouped path's throughput. Configurations
+that fail to compile (shared memory) are listed with their error.
+
 Section `arrival` (CUDA only; section 7.3 of the paper): a prefill pass of `--arrival-prefill` tokens starts on a
 low-priority stream; a decode pass of `--arrival-decode` tokens is launched `--arrival-delay-us` later on a
 high-priority stream. Reported: the decode pass's latency (its launch to its end) and the prefill pass's time,
@@ -43,7 +52,7 @@ if "--tiny" in sys.argv and not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rollout_decode import QWEN3_30B_A3B, TINY, int_list, median_ms
+from rollout_decode import QWEN3_30B_A3B, TINY, add_bandwidth_arg, int_list, median_ms, resolve_bandwidth
 
 from rollout import RolloutEngine
 from rollout.config import RolloutConfig
@@ -58,7 +67,14 @@ TINY_ARGS = dict(
     prefill_tokens=[24],
     repeats=2,
     warmup=1,
-    sections=["paths"],
+    sections=["paths", "sweep"],
+    sweep_decode=4,
+    sweep_prefill=24,
+    sweep_programs=[1, 2],
+    sweep_decode_blocks=[(16, 16, 16)],
+    sweep_prefill_blocks=[(16, 16, 16)],
+    sweep_warps=[4],
+    sweep_stages=[2],
 )
 
 
@@ -132,6 +148,78 @@ def section_paths(layer: Layer, args) -> list[dict]:
             except Exception as err:
                 traceback.print_exc()
                 row["error"] = f"{type(err).__name__}: {err}"
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def graph_us(fn, device: torch.device, repeats: int, warmup: int) -> float:
+    """Microseconds of fn() replayed as one CUDA graph (fn itself off CUDA)."""
+    if device.type == "cuda":
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # compile and autotune outside the capture
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        fn = graph.replay
+    return timed_us(fn, device, repeats, warmup)
+
+
+def routed_expert_bytes(layer: Layer, ids_TK: torch.Tensor) -> int:
+    """Bytes of the gate_up and down weights of the experts the pass routes at least one token to."""
+    used = int(torch.unique(ids_TK).numel())
+    per_expert = layer.layer.gate_up_EFH[0].numel() + layer.layer.down_EHF[0].numel()
+    return used * per_expert * layer.layer.gate_up_EFH.element_size()
+
+
+def sweep_configs(args, phase: str) -> list[dict]:
+    return [
+        dict(programs=p, block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st)
+        for p in args.sweep_programs
+        for m, n, k in getattr(args, f"sweep_{phase}_blocks")
+        for w in args.sweep_warps
+        for st in args.sweep_stages
+    ]
+
+
+def section_sweep(layer: Layer, args) -> list[dict]:
+    """Every launch configuration of the persistent kernel on one decode and one prefill pass (graph-timed)."""
+    sms = (
+        torch.cuda.get_device_properties(layer.device).multi_processor_count
+        if layer.device.type == "cuda"
+        else 4
+    )
+    bandwidth = resolve_bandwidth(args, layer.device) if layer.device.type == "cuda" else None
+    rows = []
+    for phase, tokens in (("decode", args.sweep_decode), ("prefill", args.sweep_prefill)):
+        x = layer.inputs(tokens, seed=tokens)
+        num_decode = tokens if phase == "decode" else 0
+        ref = layer.reference(x)
+        grouped_us = graph_us(
+            functools.partial(layer.run, "grouped", x, num_decode), layer.device, args.repeats, 2
+        )
+        moved = routed_expert_bytes(layer, x["ids_TK"])
+        base = {"phase": phase, "tokens": tokens, "grouped_us": grouped_us, "expert_bytes": moved}
+        for cfg in sweep_configs(args, phase):
+            row = {**base, **cfg}
+            block_m = {"block_m_decode" if phase == "decode" else "block_m_prefill": cfg["block_m"]}
+            launch = dict(
+                num_programs=cfg["programs"] * sms, block_n=cfg["block_n"], block_k=cfg["block_k"],
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **block_m,
+            )  # fmt: skip
+            try:
+                out = layer.persistent(x, num_decode, **launch).out_TH
+                row["max_abs_diff"] = float((out.float() - ref).abs().max())
+                run = functools.partial(layer.persistent, x, num_decode, **launch)
+                row["us"] = graph_us(run, layer.device, args.repeats, 2)
+                row["vs_grouped"] = grouped_us / row["us"]
+                if bandwidth:
+                    row["bandwidth_fraction"] = moved / (row["us"] * 1e-6) / bandwidth
+            except Exception as err:  # a configuration that does not compile (shared memory) is a result too
+                row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -213,7 +301,22 @@ def main() -> None:
     ap.add_argument("--arrival-prefill", type=int, default=8192)
     ap.add_argument("--arrival-decode", type=int, default=128)
     ap.add_argument("--arrival-delay-us", type=float, default=10.0)
-    ap.add_argument("--sections", type=lambda s: s.split(","), default=["paths", "arrival"])
+    ap.add_argument("--sections", type=lambda s: s.split(","), default=["paths", "sweep", "arrival"])
+    ap.add_argument("--sweep-decode", type=int, default=128)
+    ap.add_argument("--sweep-prefill", type=int, default=8192)
+    ap.add_argument("--sweep-programs", type=int_list, default=[1, 2, 4])
+    blocks = lambda s: [tuple(int(v) for v in b.split(":")) for b in s.split(",")]  # noqa: E731
+    ap.add_argument(
+        "--sweep-decode-blocks", type=blocks, default=[(16, 64, 64), (16, 128, 64), (16, 64, 128)],
+        help="block_m_decode:block_n:block_k,... of the decode pass",
+    )  # fmt: skip
+    ap.add_argument(
+        "--sweep-prefill-blocks", type=blocks, default=[(64, 64, 64), (64, 128, 64), (128, 128, 64)],
+        help="block_m_prefill:block_n:block_k,... of the prefill pass",
+    )  # fmt: skip
+    ap.add_argument("--sweep-warps", type=int_list, default=[4, 8])
+    ap.add_argument("--sweep-stages", type=int_list, default=[3, 4])
+    add_bandwidth_arg(ap)
     ap.add_argument("--json", default="bench/out/rollout_expertplex.json")
     if ap.parse_known_args()[0].tiny:
         ap.set_defaults(**TINY_ARGS)
@@ -224,7 +327,7 @@ def main() -> None:
         "args": vars(args),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
-    for name, fn in (("paths", section_paths), ("arrival", section_arrival)):
+    for name, fn in (("paths", section_paths), ("sweep", section_sweep), ("arrival", section_arrival)):
         if name in args.sections:
             try:
                 results[name] = fn(layer, args)
@@ -242,6 +345,20 @@ def print_tables(results: dict) -> None:
         us = f"{r['us']:.1f}" if "us" in r else r.get("error", "")[:80]
         diff = f"{r['max_abs_diff']:.2g}" if "max_abs_diff" in r else "-"
         print(f"| {r['phase']} | {r['tokens']} | {r['path']} | {us} | {diff} |")
+    sweep = results.get("sweep", [])
+    for phase in ("decode", "prefill") if isinstance(sweep, list) else ():
+        done = sorted((r for r in sweep if r["phase"] == phase and "us" in r), key=lambda r: r["us"])
+        failed = sum(r["phase"] == phase and "error" in r for r in sweep)
+        print(f"\nsweep, {phase}: {len(done)} configurations timed, {failed} failed; fastest 5 (graph-timed)")
+        print(
+            "| programs/SM | block m:n:k | warps | stages | us | x grouped | bandwidth |\n|---|---|---|---|---|---|---|"
+        )
+        for r in done[:5]:
+            bw = f"{100 * r['bandwidth_fraction']:.0f}%" if "bandwidth_fraction" in r else "-"
+            print(
+                f"| {r['programs']} | {r['block_m']}:{r['block_n']}:{r['block_k']} | {r['num_warps']} | "
+                f"{r['num_stages']} | {r['us']:.1f} | {r['vs_grouped']:.2f} | {bw} |"
+            )
     arrival = results.get("arrival", {})
     if "streams" in arrival:
         print("\n| scheduling | decode latency us (x alone) | prefill us (x alone) |\n|---|---|---|")

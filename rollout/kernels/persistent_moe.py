@@ -82,7 +82,9 @@ BLOCK_M_DECODE = 16  # the smallest tl.dot operand: decode groups hold few pairs
 BLOCK_M_PREFILL = 64
 BLOCK_N = 64
 BLOCK_K = 64
-LAUNCH = {"num_warps": 4, "num_stages": 3}
+NUM_WARPS = 4
+NUM_STAGES = 3
+LAUNCH = {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
 INTERPRETER_PROGRAMS = 4  # the default grid under TRITON_INTERPRET=1 (CPU tensors)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -569,7 +571,7 @@ def _undone_tiles(run: MoeRun) -> torch.Tensor:
     return (prefill_Q & ~complete_Q).sum(dtype=torch.int32)
 
 
-def _launch_options(run: MoeRun, x: torch.Tensor, preempt_flag: torch.Tensor | None) -> dict:
+def _launch_options(run: MoeRun, x: torch.Tensor, preempt_flag: torch.Tensor | None, launch: dict) -> dict:
     interpreted = x.device.type == "cpu"
     return dict(
         BLOCK_M_DECODE=run.tiles.block_m_decode,
@@ -582,7 +584,7 @@ def _launch_options(run: MoeRun, x: torch.Tensor, preempt_flag: torch.Tensor | N
         # operands would otherwise go through TF32 (10-bit mantissa)
         PRECISION="ieee" if interpreted or x.dtype == torch.float32 else "tf32",
         UPCAST=interpreted,
-        **LAUNCH,
+        **launch,
     )
 
 
@@ -598,6 +600,7 @@ def _launch_gate_up(
     gate_up_EFH: torch.Tensor,
     preempt_flag: torch.Tensor | None,
     programs: int,
+    launch: dict = LAUNCH,
 ) -> None:
     """Phase A over the run's tiles: act_RF (and done_a_W when tracked)."""
     h, f = h_TH.shape[1], run.act_RF.shape[1]
@@ -618,12 +621,12 @@ def _launch_gate_up(
         gate_up_EFH.stride(0),
         gate_up_EFH.stride(1),
         run.act_RF.stride(0),
-        **_launch_options(run, h_TH, preempt_flag),
+        **_launch_options(run, h_TH, preempt_flag, launch),
     )
 
 
 def _launch_down(
-    run: MoeRun, down_EHF: torch.Tensor, preempt_flag: torch.Tensor | None, programs: int
+    run: MoeRun, down_EHF: torch.Tensor, preempt_flag: torch.Tensor | None, programs: int, launch: dict = LAUNCH
 ) -> None:
     """Phase B over the run's tiles: y_RH (and done_b_W when tracked). With a flag, a tile's items wait for all
     of its phase-A items."""
@@ -648,7 +651,7 @@ def _launch_down(
         down_EHF.stride(1),
         run.y_RH.stride(0),
         BLOCK_NB_A=triton.next_power_of_2(triton.cdiv(f, run.block_n)),
-        **_launch_options(run, run.act_RF, preempt_flag),
+        **_launch_options(run, run.act_RF, preempt_flag, launch),
     )
 
 
@@ -722,6 +725,8 @@ def persistent_moe_run(
     block_m_prefill: int = BLOCK_M_PREFILL,
     block_n: int = BLOCK_N,
     block_k: int = BLOCK_K,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
 ) -> MoeRun:
     """The experts of a step (first `num_decode` tokens decode) as the two persistent launches; CUDA tensors, or
     CPU tensors under TRITON_INTERPRET=1. No host synchronisation.
@@ -731,7 +736,8 @@ def persistent_moe_run(
     resume: a tracked run of the same inputs and num_decode: its tiles and buffers are reused and only the items
     it left are launched (a flag may preempt again). The buffers and done masks are updated in place (the
     returned run shares them). Block sizes come from the run; num_programs may differ.
-    num_programs: the persistent grid, by default the SM count (CUDA) or 4 (interpreter), capped at the items."""
+    num_programs: the persistent grid, by default the SM count (CUDA) or 4 (interpreter), capped at the items.
+    num_warps, num_stages: Triton's launch options of both kernels (the software pipeline's depth)."""
     if triton is None:
         raise RuntimeError("persistent_moe needs Triton")
     _check_inputs(h_TH, weights_TK, ids_TK, gate_up_EFH, down_EHF, residual_TH, preempt_flag, num_programs)
@@ -743,6 +749,10 @@ def persistent_moe_run(
         blocks = (block_m_decode, block_m_prefill, block_n, block_k)
         for name, value in zip(("block_m_decode", "block_m_prefill", "block_n", "block_k"), blocks):
             _check_block(name, value)
+    if num_warps not in (1, 2, 4, 8, 16) or num_stages < 1:
+        raise ValueError(
+            f"num_warps must be a power of two <= 16 and num_stages >= 1, got {num_warps}, {num_stages}"
+        )
     if h_TH.device.type == "cpu" and not _interpreted():
         raise ValueError(
             "h_TH is on the CPU: the kernels run there only under TRITON_INTERPRET=1, set before import"
@@ -753,8 +763,9 @@ def persistent_moe_run(
         run = resume
     if num_programs is None:
         num_programs = INTERPRETER_PROGRAMS if h_TH.device.type == "cpu" else _num_sms(h_TH.device.index or 0)
-    _launch_gate_up(run, h_TH, gate_up_EFH, preempt_flag, num_programs)
-    _launch_down(run, down_EHF, preempt_flag, num_programs)
+    launch = {"num_warps": num_warps, "num_stages": num_stages}
+    _launch_gate_up(run, h_TH, gate_up_EFH, preempt_flag, num_programs, launch)
+    _launch_down(run, down_EHF, preempt_flag, num_programs, launch)
     return run._replace(out_TH=_combine(residual_TH, weights_TK, run.y_RH), undone=_undone_tiles(run))
 
 
@@ -773,6 +784,8 @@ def persistent_moe(
     block_m_prefill: int = BLOCK_M_PREFILL,
     block_n: int = BLOCK_N,
     block_k: int = BLOCK_K,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
     """out_TH = residual + sum_k w_tk y_(t,k) (residual's dtype): `persistent_moe_run(...).out_TH`. With a flag
     set, prefill rows hold partial sums; call `persistent_moe_run` to keep the run and resume it."""
@@ -790,4 +803,6 @@ def persistent_moe(
         block_m_prefill=block_m_prefill,
         block_n=block_n,
         block_k=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
     ).out_TH

@@ -239,6 +239,8 @@ def test_max_tiles_is_the_worst_case():
         (lambda x: {"num_programs": 0}, "num_programs"),
         (lambda x: {"block_m_prefill": 48}, "block_m_prefill"),
         (lambda x: {"block_n": 8}, "block_n"),
+        (lambda x: {"num_warps": 3}, "num_warps"),
+        (lambda x: {"num_stages": 0}, "num_stages"),
     ],
 )
 def test_bad_inputs_are_refused_before_any_launch(change, match):
