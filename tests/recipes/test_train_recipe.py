@@ -244,7 +244,10 @@ def test_mini_batches_and_epochs_take_several_clipped_steps(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "mb" / "metrics.jsonl").read_text().splitlines()]
-    assert all(r["tppo/optimizer_steps"] == 4 and r["critic/optimizer_steps"] >= 1 for r in rows)
+    assert all(r["tppo/optimizer_steps"] == 4 for r in rows)
+    # The critic trains on finished responses only: a step whose 8 responses were all cut skips it.
+    critic = [r["critic/optimizer_steps"] for r in rows if "critic/optimizer_steps" in r]
+    assert critic and all(n >= 1 for n in critic)
     assert all(r["tppo/ratio_max"] > 1.0 for r in rows) and any(r["tppo/clip_fraction"] > 0 for r in rows)
 
 

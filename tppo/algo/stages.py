@@ -199,7 +199,24 @@ def advantages(
         "tppo/adv_abs_max": float(raw[valid].abs().max()),
         "tppo/lambda_mean": float(lam_t.mean()),
     }
+    metrics |= _window_kind_means(raw, adv, valid, finished.bool())
     return [adv[b, :n].numpy() for b, n in enumerate(lengths)], metrics
+
+
+def _window_kind_means(
+    raw_BT: torch.Tensor, adv_BT: torch.Tensor, valid_BT: torch.Tensor, finished_B: torch.Tensor
+) -> dict[str, float]:
+    """Mean advantage over the tokens of cut windows and of finished windows, before (`_raw`) and after the
+    post-processing. A cut window's advantage comes from the critic alone: a positive cut mean says continuing
+    pays, and whitening scales that signal to unit size however small the raw differences are. A kind absent from
+    the batch is not reported."""
+    out = {}
+    for kind, rows_B in (("cut", ~finished_B), ("finished", finished_B)):
+        tokens_BT = valid_BT & rows_B.unsqueeze(1)
+        if tokens_BT.any():
+            out[f"tppo/adv_{kind}_raw_mean"] = float(raw_BT[tokens_BT].mean())
+            out[f"tppo/adv_{kind}_mean"] = float(adv_BT[tokens_BT].mean())
+    return out
 
 
 def _reward_row(s: Sample) -> np.ndarray:

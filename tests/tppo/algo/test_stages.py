@@ -132,6 +132,31 @@ def test_advantages_match_egae_then_postprocessing():
     assert metrics["tppo/lambda_mean"] == pytest.approx(float(lam.mean()))
 
 
+def test_advantage_means_per_window_kind_by_hand():
+    # gamma = lambda = 1, repeat_last: cut row a, values (0.1, 0.4, 0.2): deltas (0.3, -0.2, 0), A = (0.1, -0.2, 0);
+    # finished row b, values (0.3, -0.2), R = 1: deltas (-0.5, 1.2), A = (0.7, 1.2).
+    a = _sample("a", [1], [2, 3], [4, 5, 6])
+    b = _sample("b", [1], [], [7, 8], finished=True, reward=1.0)
+    values = [np.array([0.1, 0.4, 0.2], np.float32), np.array([0.3, -0.2], np.float32)]
+    raw_cut, raw_fin = [0.1, -0.2, 0.0], [0.7, 1.2]
+    plain = AlgoConfig(
+        window=3, max_response_length=64, lam=1.0, lam_adaptive=False, whiten=False, adv_clamp=0.0
+    )
+    _, m = advantages([a, b], values, plain)
+    assert m["tppo/adv_cut_raw_mean"] == pytest.approx(np.mean(raw_cut))
+    assert m["tppo/adv_cut_mean"] == pytest.approx(np.mean(raw_cut))
+    assert m["tppo/adv_finished_raw_mean"] == pytest.approx(np.mean(raw_fin))
+    assert m["tppo/adv_finished_mean"] == pytest.approx(np.mean(raw_fin))
+    _, m = advantages([a, b], values, dataclasses.replace(plain, whiten=True))
+    every = np.array(raw_cut + raw_fin)
+    whitened = (every - every.mean()) / every.std(ddof=1)
+    assert m["tppo/adv_cut_raw_mean"] == pytest.approx(np.mean(raw_cut))
+    assert m["tppo/adv_cut_mean"] == pytest.approx(whitened[:3].mean(), abs=1e-6)
+    assert m["tppo/adv_finished_mean"] == pytest.approx(whitened[3:].mean(), abs=1e-6)
+    _, m = advantages([b], values[1:], plain)
+    assert "tppo/adv_cut_mean" not in m and m["tppo/adv_finished_mean"] == pytest.approx(np.mean(raw_fin))
+
+
 def test_window_values_cut_the_current_window():
     a = _sample("a", [1, 2], [3], [4, 5])
     full = np.arange(5, dtype=np.float32)
