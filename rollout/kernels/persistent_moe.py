@@ -626,7 +626,11 @@ def _launch_gate_up(
 
 
 def _launch_down(
-    run: MoeRun, down_EHF: torch.Tensor, preempt_flag: torch.Tensor | None, programs: int, launch: dict = LAUNCH
+    run: MoeRun,
+    down_EHF: torch.Tensor,
+    preempt_flag: torch.Tensor | None,
+    programs: int,
+    launch: dict = LAUNCH,
 ) -> None:
     """Phase B over the run's tiles: y_RH (and done_b_W when tracked). With a flag, a tile's items wait for all
     of its phase-A items."""
