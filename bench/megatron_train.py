@@ -32,6 +32,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -666,8 +667,17 @@ def _run_child(variant: str, args, tmp: str) -> dict:
         + (["--tiny"] if args.tiny else [])
         + (["--profile"] if args.profile else [])
     )
+    return child_result(variant, cmd, out, args.timeout)
+
+
+def child_result(variant: str, cmd: list[str], out: str, timeout: float) -> dict:
+    """Run one variant's process; its JSON result with wall_s, or an error with the log's tail (also on timeout)."""
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        log = b"".join(x or b"" for x in (exc.stdout, exc.stderr)).decode(errors="replace")
+        return {"variant": variant, "error": f"timed out after {timeout:.0f} s", "log_tail": log[-3000:]}
     if proc.returncode != 0 or not os.path.exists(out):
         tail = (proc.stdout + proc.stderr)[-3000:]
         return {"variant": variant, "error": f"exit {proc.returncode}", "log_tail": tail}
@@ -675,6 +685,31 @@ def _run_child(variant: str, args, tmp: str) -> dict:
         result = json.load(f)
     result["wall_s"] = time.perf_counter() - t0
     return result
+
+
+def run_variants(variants: list[str], run_one, path: str, extra: dict) -> list[dict]:
+    """run_one(variant, tmp_dir) for each variant in turn; {**extra, "results": [...]} rewritten to `path` after
+    every variant (a run cut short keeps what it measured); the log tails of failed variants printed at the end."""
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for v in variants:
+            results.append(run_one(v, tmp))
+            keys = ("variant", "step_ms", "mfu", "peak_mem_gib", "error")
+            print(json.dumps({k: results[-1][k] for k in keys if k in results[-1]}), flush=True)
+            with open(path, "w") as f:
+                json.dump({**extra, "results": results}, f, indent=2)
+    for r in results:
+        if "log_tail" in r:
+            print(f"--- {r['variant']} log tail ---\n{r['log_tail']}")
+    return results
+
+
+def shape_line(s: Shape) -> str:
+    total, active = param_counts(s)
+    return (
+        f"model: {s.num_layers} layers, hidden {s.hidden}, {s.experts} experts top-{s.topk}, expert FFN "
+        f"{s.expert_ffn}, vocab {s.vocab}; {total / 1e9:.2f} B params, {active / 1e9:.2f} B active; seq {s.seq}"
+    )
 
 
 def _profile_lines(p: dict) -> list[str]:
@@ -710,10 +745,8 @@ def _parts_lines(r: dict) -> list[str]:
 
 
 def _table(results: list[dict], s: Shape) -> str:
-    total, active = param_counts(s)
     lines = [
-        f"model: {s.num_layers} layers, hidden {s.hidden}, {s.experts} experts top-{s.topk}, expert FFN "
-        f"{s.expert_ffn}, vocab {s.vocab}; {total / 1e9:.2f} B params, {active / 1e9:.2f} B active; seq {s.seq}",
+        shape_line(s),
         f"{'variant':<20}{'mb':>4}{'step ms':>10}{'fwd+bwd':>10}{'optim':>8}{'tok/s':>10}{'TFLOP/s':>9}"
         f"{'MFU':>7}{'peak GiB':>10}",
     ]
@@ -767,34 +800,12 @@ def main() -> None:
     if args.variant:
         _child(args)
         return
-    import tempfile
-
     s = TINY if args.tiny else Shape(seq=args.seq)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        results = []
-        for v in args.variants.split(","):
-            results.append(_run_child(v, args, tmp))
-            print(
-                json.dumps(
-                    {k: results[-1].get(k) for k in ("variant", "step_ms", "mfu", "peak_mem_gib", "error")}
-                ),
-                flush=True,
-            )
-            with open(args.json, "w") as f:  # after every variant: a run cut short keeps what it measured
-                json.dump(
-                    {
-                        "shape": asdict(s),
-                        "flops_per_token": flops_per_token(s),
-                        "peak_tflops": PEAK_TFLOPS,
-                        "results": results,
-                    },
-                    f,
-                    indent=2,
-                )
-    for r in results:
-        if "log_tail" in r:
-            print(f"--- {r['variant']} log tail ---\n{r['log_tail']}")
+    extra = {"shape": asdict(s), "flops_per_token": flops_per_token(s), "peak_tflops": PEAK_TFLOPS}
+    results = run_variants(
+        args.variants.split(","), lambda v, tmp: _run_child(v, args, tmp), args.json, extra
+    )
     print(_table(results, s))
 
 

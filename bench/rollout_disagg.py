@@ -306,6 +306,10 @@ class Recorder:
         self.deadline = self.start + budget_s
         self.parts: dict[tuple[int, int], tuple[float, float]] = {}  # step point -> (attention, experts) ms
 
+    def mark(self, what: str) -> None:
+        """Print the elapsed time at a section's start: where a slow run spends it (engine builds, compiles)."""
+        print(f"[{time.monotonic() - self.start:.0f} s] {what}", flush=True)
+
     def over(self) -> bool:
         return time.monotonic() > self.deadline
 
@@ -432,7 +436,9 @@ def layer_sections(run: Recorder, args, base: dict, device: torch.device, dtype:
     for name, fn in (("attention", attention), ("experts", experts)):
         section(name, fn, run.out)
         save(run.out, args.json)
+    run.mark("the overhead's parts")
     parts()  # before the overlap study: the planner needs the overhead, within the time budget
+    run.mark("section overlap")
     section("overlap", overlapped, run.out)
     save(run.out, args.json)
 
@@ -650,6 +656,7 @@ def main(argv: list[str] | None = None) -> dict:
             free_memory()
         # overhead before steps: the planner needs it, the steps only check the planner
         for name, fn in (("overhead", overhead_section), ("steps", steps_section)):
+            run.mark(f"section {name}: building its engine")
             section(name, lambda f=fn: f(run, args, base, device, dtype), run.out)
             save(run.out, args.json)
     run.out["meta"]["seconds"] = time.monotonic() - t0

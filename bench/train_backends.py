@@ -28,9 +28,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -38,7 +36,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from megatron_train import TINY, Shape, _Timer, model_config, param_counts
+from megatron_train import (
+    TINY,
+    Shape,
+    _Timer,
+    child_result,
+    model_config,
+    param_counts,
+    run_variants,
+    shape_line,
+)
 
 VARIANTS = ("megatron", "deepspeed_z2", "reference_offload", "deepspeed_z3", "deepspeed_z2_offload")
 GIB = 2**30
@@ -224,24 +231,7 @@ def _run_child(variant: str, args, tmp: str) -> dict:
         str(args.warmup),
     ]
     cmd += ["--layers", str(args.layers), "--seq", str(args.seq)] + (["--tiny"] if args.tiny else [])
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired as exc:
-        tail = ((exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace"))[
-            -3000:
-        ]
-        return {"variant": variant, "error": f"timed out after {args.timeout:.0f} s", "log_tail": tail}
-    if proc.returncode != 0 or not os.path.exists(out):
-        return {
-            "variant": variant,
-            "error": f"exit {proc.returncode}",
-            "log_tail": (proc.stdout + proc.stderr)[-3000:],
-        }
-    with open(out) as f:
-        result = json.load(f)
-    result["wall_s"] = time.perf_counter() - t0
-    return result
+    return child_result(variant, cmd, out, args.timeout)
 
 
 def _fmt(value, spec: str, width: int = 0) -> str:
@@ -249,10 +239,8 @@ def _fmt(value, spec: str, width: int = 0) -> str:
 
 
 def table(results: list[dict], s: Shape) -> str:
-    total, active = param_counts(s)
     lines = [
-        f"model: {s.num_layers} layers, hidden {s.hidden}, {s.experts} experts top-{s.topk}, expert FFN "
-        f"{s.expert_ffn}, vocab {s.vocab}; {total / 1e9:.2f} B params ({active / 1e9:.2f} B active); seq {s.seq}",
+        shape_line(s),
         f"{'critic backend':<22}{'mb':>4}{'step ms':>10}{'fwd+bwd':>10}{'optim':>9}{'tok/s':>9}{'peak GiB':>10}"
         f"{'held GiB':>10}",
     ]
@@ -301,18 +289,9 @@ def main() -> None:
         p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     s = shape_of(args)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for v in args.variants.split(","):
-            results.append(_run_child(v, args, tmp))
-            print(
-                json.dumps({k: results[-1].get(k) for k in ("variant", "step_ms", "peak_mem_gib", "error")})
-            )
-            with open(args.json, "w") as f:  # after every variant: a run cut short keeps what it measured
-                json.dump({"shape": asdict(s), "results": results}, f, indent=2)
-    for r in results:
-        if "log_tail" in r:
-            print(f"--- {r['variant']} log tail ---\n{r['log_tail']}")
+    results = run_variants(
+        args.variants.split(","), lambda v, tmp: _run_child(v, args, tmp), args.json, {"shape": asdict(s)}
+    )
     print(table(results, s))
 
 

@@ -89,6 +89,9 @@ def deepspeed_config(zero: BackendConfig, optim: OptimConfig, *, bf16: bool) -> 
         stage["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if zero.offload_param:
         stage["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        # DeepSpeed keeps tensors under 1e5 elements (norms, biases) resident on the device by default; offloaded
+        # parameters leave nothing there between calls.
+        stage["stage3_param_persistence_threshold"] = 0
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
