@@ -18,7 +18,8 @@ loss (tppo.algo.objectives.ValueObjective: clipped, per-sample token mean over f
 finished here with returns +-1), then one optimizer step: the same loss callable runs on both engines. The model
 is bench/megatron_train.py's shape (Qwen3-30B-A3B widths, 64 experts top-8, vocab 32768) with `--layers` layers
 (8 by default, so that Megatron's fp32 main weights, gradients and Adam state fit an 80 GB card next to the
-activations); both engines start from their own random weights of that shape. Steps are timed with CUDA events
+activations); the engines start from their own random weights of that shape, or with `--same-init` from one
+transformers checkpoint of it (the losses then compare step by step). Steps are timed with CUDA events
 after `--warmup` steps (perf_counter on CPU); the median is reported with the peak memory over the timed steps.
 """
 
@@ -29,6 +30,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -72,11 +74,26 @@ def critic_batches(s: Shape, microbatches: int, seed: int = 0):
     return batches
 
 
-def build_engine(variant: str, s: Shape, dtype: str):
+def save_init(s: Shape, dtype: str, path: str) -> str:
+    """One random transformers checkpoint of the shape (`--same-init`): both backends load it, so their losses
+    compare step by step (the value heads still start from each engine's own N(0, init_std) draw)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tppo.engine.convert import hf_config_dict
+
+    cfg = model_config(s, dtype)
+    config = AutoConfig.for_model(**hf_config_dict(cfg), initializer_range=cfg.init_std)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).save_pretrained(path)
+    return path
+
+
+def build_engine(variant: str, s: Shape, dtype: str, hf_path: str | None = None):
     from tppo.engine.config import BackendConfig, OptimConfig, ParallelConfig
 
     optim = OptimConfig(lr=1e-5, grad_clip=1.0)
-    cfg = model_config(s, dtype)
+    cfg = replace(model_config(s, dtype), hf_path=hf_path)
     if variant == "megatron":
         from tppo.engine.engine import MegatronEngine
 
@@ -108,7 +125,7 @@ def run_critic(variant: str, s: Shape, args) -> dict:
 
     cuda = torch.cuda.is_available()
     t0 = time.perf_counter()
-    engine = build_engine(variant, s, "bfloat16" if cuda else "float32")
+    engine = build_engine(variant, s, "bfloat16" if cuda else "float32", args.hf_path)
     build_s = time.perf_counter() - t0
     batches = critic_batches(s, args.microbatches)
     loss_fn = ValueObjective(num_samples=len(batches))
@@ -164,7 +181,7 @@ def run_reference(s: Shape, args) -> dict:
     torch.zeros(1, device="cuda" if cuda else "cpu")  # the CUDA context before the baseline
     before = _memory(cuda)
     t0 = time.perf_counter()
-    engine = build_engine("reference_offload", s, "bfloat16" if cuda else "float32")
+    engine = build_engine("reference_offload", s, "bfloat16" if cuda else "float32", args.hf_path)
     build_s = time.perf_counter() - t0
     total, _ = param_counts(s)
     param_bytes = sum(
@@ -231,6 +248,7 @@ def _run_child(variant: str, args, tmp: str) -> dict:
         str(args.warmup),
     ]
     cmd += ["--layers", str(args.layers), "--seq", str(args.seq)] + (["--tiny"] if args.tiny else [])
+    cmd += ["--hf-path", args.hf_path] if args.hf_path else []
     return child_result(variant, cmd, out, args.timeout)
 
 
@@ -278,6 +296,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=float, default=600, help="seconds per variant")
     p.add_argument("--json", default="bench/out/train_backends.json")
+    p.add_argument(
+        "--same-init",
+        action="store_true",
+        help="every variant loads one random transformers checkpoint of the shape (step-by-step loss comparison)",
+    )
+    p.add_argument("--hf-path", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--child-json", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -289,9 +313,15 @@ def main() -> None:
         p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     s = shape_of(args)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    results = run_variants(
-        args.variants.split(","), lambda v, tmp: _run_child(v, args, tmp), args.json, {"shape": asdict(s)}
-    )
+    with tempfile.TemporaryDirectory() as init_dir:
+        if args.same_init:
+            import torch
+
+            dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+            args.hf_path = save_init(s, dtype, init_dir)
+        results = run_variants(
+            args.variants.split(","), lambda v, tmp: _run_child(v, args, tmp), args.json, {"shape": asdict(s)}
+        )
     print(table(results, s))
 
 
