@@ -78,7 +78,7 @@ from rollout_decode import (
     section,
     time_replay,
 )
-from rollout_expertplex import Layer
+from rollout_expertplex import Layer, graphed
 from rollout_long import save
 
 from rollout import RolloutEngine
@@ -197,23 +197,6 @@ def decode_batch(engine: RolloutEngine, inputs: StepInputs, seed: int) -> StepBa
 
 
 # --------------------------------------------------------------------------------------------- timing
-def graphed(fn, device: torch.device, eager: bool):
-    """fn as the engine runs it: one CUDA graph replay (warmed up on a side stream first, so torch.compile and
-    Triton compile outside the capture, as the runner does); fn itself off CUDA or when `eager`."""
-    if device.type != "cuda" or eager:
-        return fn
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def repeated(part, reps: int):
     """part(0), part(1), ..., part(reps - 1) back to back: one call does rep i on layer i."""
 

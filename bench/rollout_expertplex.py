@@ -153,19 +153,26 @@ def section_paths(layer: Layer, args) -> list[dict]:
     return rows
 
 
+def graphed(fn, device: torch.device, eager: bool):
+    """fn as the engine runs it: one CUDA graph replay (warmed up on a side stream first, so torch.compile and
+    Triton compile outside the capture, as the runner does); fn itself off CUDA or when `eager`."""
+    if device.type != "cuda" or eager:
+        return fn
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def graph_us(fn, device: torch.device, repeats: int, warmup: int) -> float:
     """Microseconds of fn() replayed as one CUDA graph (fn itself off CUDA)."""
-    if device.type == "cuda":
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # compile and autotune outside the capture
-            fn()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        fn = graph.replay
-    return timed_us(fn, device, repeats, warmup)
+    return timed_us(graphed(fn, device, eager=False), device, repeats, warmup)
 
 
 def routed_expert_bytes(layer: Layer, ids_TK: torch.Tensor) -> int:

@@ -44,7 +44,6 @@ from megatron_train import (
     _Timer,
     child_result,
     model_config,
-    param_counts,
     run_variants,
     shape_line,
 )
@@ -111,6 +110,13 @@ def build_engine(variant: str, s: Shape, dtype: str, hf_path: str | None = None)
     return DeepSpeedEngine(cfg, optim, role="critic", zero=zero)
 
 
+def _dtype() -> str:
+    """bf16 on a GPU; fp32 on the CPU (the engines train in fp32 there)."""
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
 def _memory(cuda: bool) -> float | None:
     import torch
 
@@ -125,7 +131,7 @@ def run_critic(variant: str, s: Shape, args) -> dict:
 
     cuda = torch.cuda.is_available()
     t0 = time.perf_counter()
-    engine = build_engine(variant, s, "bfloat16" if cuda else "float32", args.hf_path)
+    engine = build_engine(variant, s, _dtype(), args.hf_path)
     build_s = time.perf_counter() - t0
     batches = critic_batches(s, args.microbatches)
     loss_fn = ValueObjective(num_samples=len(batches))
@@ -167,10 +173,9 @@ def run_critic(variant: str, s: Shape, args) -> dict:
     return out
 
 
-def _params_on_gpu(module) -> tuple[int, int]:
-    """(parameters whose data is on the GPU and not empty, all parameters)."""
-    params = list(module.parameters())
-    return sum(p.data.is_cuda and p.data.numel() > 0 for p in params), len(params)
+def _params_on_gpu(module) -> int:
+    """Parameters whose data is on the GPU and not empty (ZeRO-3 leaves a partitioned one an empty placeholder)."""
+    return sum(p.data.is_cuda and p.data.numel() > 0 for p in module.parameters())
 
 
 def run_reference(s: Shape, args) -> dict:
@@ -181,9 +186,8 @@ def run_reference(s: Shape, args) -> dict:
     torch.zeros(1, device="cuda" if cuda else "cpu")  # the CUDA context before the baseline
     before = _memory(cuda)
     t0 = time.perf_counter()
-    engine = build_engine("reference_offload", s, "bfloat16" if cuda else "float32", args.hf_path)
+    engine = build_engine("reference_offload", s, _dtype(), args.hf_path)
     build_s = time.perf_counter() - t0
-    total, _ = param_counts(s)
     param_bytes = sum(
         getattr(p, "ds_numel", p.numel()) * p.element_size() for p in engine.module.parameters()
     )
@@ -198,17 +202,16 @@ def run_reference(s: Shape, args) -> dict:
         engine.forward(batches)
         forward_ms.append(timer.ms(a, timer.mark()))
         between.append(_memory(cuda))
-        on_gpu.append(_params_on_gpu(engine.module)[0])
+        on_gpu.append(_params_on_gpu(engine.module))
     out = dict(
         variant="reference_offload",
         seq=s.seq,
         build_s=build_s,
         param_gib=param_bytes / GIB,
-        num_params=_params_on_gpu(engine.module)[1],
+        num_params=len(list(engine.module.parameters())),
         params_on_gpu_between_calls=max(on_gpu),
         forward_ms=statistics.median(forward_ms[args.warmup :]),
         tokens_per_s=s.seq / (statistics.median(forward_ms[args.warmup :]) / 1e3),
-        model_params_b=total / 1e9,
     )
     if cuda:
         out.update(
@@ -315,10 +318,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with tempfile.TemporaryDirectory() as init_dir:
         if args.same_init:
-            import torch
-
-            dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-            args.hf_path = save_init(s, dtype, init_dir)
+            args.hf_path = save_init(s, _dtype(), init_dir)
         results = run_variants(
             args.variants.split(","), lambda v, tmp: _run_child(v, args, tmp), args.json, {"shape": asdict(s)}
         )
