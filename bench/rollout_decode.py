@@ -41,7 +41,7 @@ from rollout import RolloutEngine, SamplingParams
 from rollout.config import RolloutConfig
 from rollout.engine import StepTrace
 from rollout.plan.hardware import MODEL_PRESETS
-from rollout.runner import CACHE_ROW, POSITION, SEQ, StepInputs
+from rollout.runner import CACHE_ROW, POSITION, SEQ, TOKEN, StepInputs
 
 QWEN3_30B_A3B = MODEL_PRESETS["qwen3-30b-a3b"]  # the published config.json's widths and ids
 TINY = dict(
@@ -113,12 +113,32 @@ def resolve_bandwidth(args, device: torch.device) -> float:
     return args.bandwidth
 
 
-def median_ms(device: torch.device, fn, warmup: int, repeats: int) -> float:
+class GpuStalled(RuntimeError):
+    """Work on the GPU did not finish within the watchdog's time: the device is stuck, and anything that waits on
+    it (another timing, freeing cached memory, the interpreter's CUDA teardown) would wait forever too."""
+
+
+def wait_event(event, stall_s: float | None, poll_s: float = 1e-4) -> None:
+    """event.synchronize(), or with `stall_s` a poll of event.query() that raises GpuStalled after stall_s s."""
+    if stall_s is None:
+        event.synchronize()
+        return
+    deadline = time.monotonic() + stall_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise GpuStalled(f"the GPU has not finished the timed work after {stall_s:g} s")
+        time.sleep(poll_s)
+
+
+def median_ms(device: torch.device, fn, warmup: int, repeats: int, stall_s: float | None = None) -> float:
     """Median milliseconds of fn() over `repeats` calls after `warmup` calls: CUDA events on a GPU (each call
-    timed alone), the wall clock elsewhere."""
+    timed alone), the wall clock elsewhere. With `stall_s`, a GPU wait longer than that raises GpuStalled."""
     for _ in range(warmup):
         fn()
-    sync(device)
+    if device.type == "cuda":
+        done = torch.cuda.Event()
+        done.record()
+        wait_event(done, stall_s)
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -126,7 +146,7 @@ def median_ms(device: torch.device, fn, warmup: int, repeats: int) -> float:
             start.record()
             fn()
             end.record()
-            end.synchronize()
+            wait_event(end, stall_s)
             times.append(start.elapsed_time(end))
         else:
             t0 = time.perf_counter()
@@ -260,11 +280,13 @@ def run_engine(args, cfg: dict, device: torch.device, dtype: torch.dtype) -> lis
 
 
 @contextlib.contextmanager
-def decode_step(engine: RolloutEngine, batch: int, args):
+def decode_step(engine: RolloutEngine, batch: int, args, seed: int = 0):
     """A decode-only step of `batch` rows at the middle of the generation, sampling at temperature 1 (the
     runner pads it to its bucket as it pads the engine's steps). The rows are opened in the engine's block
     table with blocks for positions [0, mid], so the step reads and writes real cache blocks, and released on
-    exit."""
+    exit. Each row feeds its own random token (drawn from `seed`): rows fed one token over one cache content
+    would route alike, and a step whose tokens all pick the same top-k experts reads K experts' weights, not
+    the ~E (1 - (1 - K/E)^b) that distinct sequences touch."""
     table = engine.cache.table
     position = args.prompt_len + args.new_tokens // 2
     rows = []
@@ -274,6 +296,7 @@ def decode_step(engine: RolloutEngine, batch: int, args):
             if not table.grow(rows[-1], position + 1):
                 raise RuntimeError(f"the KV cache cannot hold {batch} rows of {position + 1} positions")
         tokens_T4 = np.zeros((batch, 4), dtype=np.int64)
+        tokens_T4[:, TOKEN] = np.random.default_rng(seed).integers(0, engine.spec.vocab_size, batch)
         tokens_T4[:, POSITION], tokens_T4[:, SEQ] = position, rows
         tokens_T4[:, CACHE_ROW] = table.cache_rows(tokens_T4[:, SEQ], tokens_T4[:, POSITION])
         yield StepInputs(
@@ -463,6 +486,8 @@ def run_check(args, cfg: dict, device: torch.device, dtype: torch.dtype) -> dict
 def section(name: str, fn, results: dict) -> None:
     try:
         results[name] = fn()
+    except GpuStalled:
+        raise  # nothing after it can run: the caller writes what it has and ends the process
     except Exception as err:  # one failing section must not lose the others' numbers
         traceback.print_exc()
         results[name + "_error"] = f"{type(err).__name__}: {err}"

@@ -20,19 +20,22 @@ Sections (a point that raises is listed under "errors" and the others still run)
 2. experts: for every `--expert-tokens`, MoeDecoder.experts of all E experts with the engine's default kernel
    choice for that token count (padded bmm for 8-64 pairs per expert on a GPU, grouped GEMMs otherwise), routing
    from a softmax over random logits (rollout_expertplex.Layer.inputs).
-3. overlap (CUDA only): for each `--overlap` point batch:context:tokens, the attention part of one micro-batch and
-   the experts of another (`tokens` tokens) launched back to back on two CUDA streams, timed together, against
-   each alone and their sum: how much of MegaScale-Infer's ping-pong one GPU can overlap.
-4. steps: whole decode steps of an engine of `--step-layers` layers (CUDA graphs on, layout "replicas": every
+3. steps: whole decode steps of an engine of `--step-layers` layers (CUDA graphs on, layout "replicas": every
    GPU holds the whole model) at `--step-batches` x `--step-contexts` where the KV fits: the runner's step (inputs
-   in, replay, sampling, outputs on the host) as rollout_decode.time_replay times it; `--validate` compares a
-   plan's prediction with these.
-5. overhead: the step's fixed cost (embedding, final norm + LM head, sampling, host copies and the step's one
+   in, replay, sampling, outputs on the host) as rollout_decode.time_replay times it, each row fed its own
+   random token over a cache of random K/V (so the rows route as distinct sequences do, touching the experts
+   section 2 assumes); `--validate` compares a plan's prediction with these.
+4. overhead: the step's fixed cost (embedding, final norm + LM head, sampling, host copies and the step's one
    sync) at every `--step-batches` x `--step-contexts` point: the whole decode step of a ONE-layer engine (as in
-   section 4) minus that layer's attention (batch, context) and experts (tokens = batch) times, timed as in
+   section 3) minus that layer's attention (batch, context) and experts (tokens = batch) times, timed as in
    sections 1-2 (measured for this point if those sections did not). Rows: batch, context, ms (the overhead;
    noise can make it slightly negative), and the step_ms, attention_ms, experts_ms it came from.
-They run in the order attention, experts, (the overhead's parts), overlap, overhead, steps, and the JSON is
+5. overlap (CUDA only): for each `--overlap` point batch:context:tokens, the attention part of one micro-batch and
+   the experts of another (`tokens` tokens) launched back to back on two CUDA streams, timed together, against
+   each alone and their sum: how much of MegaScale-Infer's ping-pong one GPU can overlap. On a layer engine of
+   its own, last, under a watchdog: a GPU wait longer than `--stall-s` writes the JSON (the stall under
+   "errors") and ends the process with status 3 instead of hanging.
+They run in the order attention, experts, (the overhead's parts), overhead, steps, overlap, and the JSON is
 rewritten after every section, so a run cut short keeps what it measured.
 
 Timing: rollout_decode.median_ms (CUDA events, median of `--repeats` after `--warmup`; wall time on the CPU). On
@@ -54,12 +57,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 import traceback
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -68,6 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_decode import (
     QWEN3_30B_A3B,
     TINY,
+    GpuStalled,
     add_bandwidth_arg,
     decode_step,
     free_memory,
@@ -87,7 +91,7 @@ from rollout.kv_cache import available_bytes
 from rollout.model import StepBatch
 from rollout.model_spec import MoeModelSpec
 from rollout.paged_attention import decode_splits
-from rollout.runner import TOKEN, StepInputs, step_batch
+from rollout.runner import StepInputs, step_batch
 from rollout.weights import allocate
 
 SCHEMA = "rollout-profile/2"
@@ -110,11 +114,20 @@ TINY_ARGS = dict(
 
 
 # --------------------------------------------------------------------------------------------- the layer
+def fill_cache(engine: RolloutEngine) -> None:
+    """The engine's K/V cache filled with N(0, 1): the same bytes move as with real keys, a test comparing
+    outputs sees every attended position, and rows over different blocks attend to different contents (over a
+    zeroed cache, rows fed the same token would compute the same hidden states and route alike)."""
+    gen = torch.Generator(device=engine.device).manual_seed(0)
+    for kv_LXMD in engine.cache.tensors():
+        kv_LXMD.normal_(generator=gen)
+
+
 class LayerProfile(Layer):
     """rollout_expertplex's Layer (MoE layers of an engine with random weights, expert inputs of T tokens) with
     `num_layers` layers (one per graph rep) whose KV cache holds `num_positions` positions for up to `max_rows`
-    rows of `max_len`, so the layers' attention runs over real cached context too. The cache is filled with
-    N(0, 1): the same bytes move as with real keys, and a test comparing outputs sees every attended position."""
+    rows of `max_len`, so the layers' attention runs over real cached context too (the cache filled by
+    fill_cache)."""
 
     def __init__(
         self,
@@ -136,18 +149,16 @@ class LayerProfile(Layer):
         self.engine = RolloutEngine.from_config(model_config(cfg, num_layers), device, dtype, config)
         self.model, self.layer, self.spec = self.engine.model, self.engine.weights.layers[0], self.engine.spec
         self.device, self.dtype, self.num_layers = device, dtype, num_layers
-        gen = torch.Generator(device=device).manual_seed(0)
-        for kv_LXMD in self.engine.cache.tensors():
-            kv_LXMD.normal_(generator=gen)
+        fill_cache(self.engine)
 
     @contextlib.contextmanager
     def decode_rows(self, batch: int, context: int, seed: int = 0):
         """A decode-only StepBatch of `batch` rows of random tokens, each at position `context`: the rows are opened
         in the engine's block table with blocks for positions 0..context (rollout_decode.decode_step) and
         released on exit."""
-        with decode_step(self.engine, batch, at_context(context)) as inputs:
+        with decode_step(self.engine, batch, at_context(context), seed=seed) as inputs:
             self.engine.cache.sync_table()
-            yield decode_batch(self.engine, inputs, seed)
+            yield decode_batch(self.engine, inputs)
 
     def attention(
         self, step: StepBatch, x_TH: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor, i: int = 0
@@ -184,16 +195,13 @@ def at_context(context: int, repeats: int = 0) -> argparse.Namespace:
     return argparse.Namespace(prompt_len=context, new_tokens=0, repeats=repeats)
 
 
-def decode_batch(engine: RolloutEngine, inputs: StepInputs, seed: int) -> StepBatch:
-    """The device batch of a decode-only step with random tokens, as the runner builds it (no prefill tiles, its
-    split-K rule)."""
-    tokens_T4 = inputs.tokens_T4.copy()
-    tokens_T4[:, TOKEN] = np.random.default_rng(seed).integers(0, engine.spec.vocab_size, len(tokens_T4))
+def decode_batch(engine: RolloutEngine, inputs: StepInputs) -> StepBatch:
+    """The device batch of a decode-only step, as the runner builds it (no prefill tiles, its split-K rule)."""
     n = inputs.num_decode
     splits = decode_splits(n, engine.spec.num_kv_heads, engine.runner.num_sms)
     no_tiles_2Q = torch.zeros(2, 0, dtype=torch.int32, device=engine.device)
     sample_S = torch.arange(n, device=engine.device)
-    return step_batch(torch.from_numpy(tokens_T4).to(engine.device), no_tiles_2Q, n, splits, sample_S)
+    return step_batch(torch.from_numpy(inputs.tokens_T4).to(engine.device), no_tiles_2Q, n, splits, sample_S)
 
 
 # --------------------------------------------------------------------------------------------- timing
@@ -302,15 +310,17 @@ class Recorder:
 
     def attempt(self, name: str, point: dict, measure):
         """measure(), or None when it raised: the exception is recorded under "errors" (the run goes on); memory
-        is freed after each point."""
+        is freed after each point. GpuStalled propagates untouched: freeing memory would wait on the stuck GPU."""
         try:
-            return measure()
+            row = measure()
+        except GpuStalled:
+            raise
         except Exception as err:  # one failing point must not lose the others
             traceback.print_exc()
             self.out["errors"].append({"section": name, **point, "error": f"{type(err).__name__}: {err}"})
-            return None
-        finally:
-            free_memory()
+            row = None
+        free_memory()
+        return row
 
     def point(self, name: str, point: dict, measure) -> None:
         """Append {**point, **measure()} to the section's rows; over the time budget the point is skipped."""
@@ -347,7 +357,7 @@ def overlap_row(prof: LayerProfile, batch: int, context: int, tokens: int, args)
         experts = graphed(repeated(lambda i: prof.experts(x, i), reps), device, args.eager)
         both = two_streams(attention, experts, device)
         row = {
-            name: median_ms(device, fn, args.warmup, args.repeats) / reps
+            name: median_ms(device, fn, args.warmup, args.repeats, args.stall_s) / reps
             for name, fn in (("attention_ms", attention), ("experts_ms", experts), ("two_streams_ms", both))
         }
     row["sum_ms"] = row["attention_ms"] + row["experts_ms"]
@@ -368,12 +378,11 @@ def step_parts(prof: LayerProfile, batch: int, context: int, rows: dict, args) -
 
 # --------------------------------------------------------------------------------------------- sections
 def layer_sections(run: Recorder, args, base: dict, device: torch.device, dtype: torch.dtype) -> None:
-    """Sections attention, experts and overlap, and the parts of the overhead section's points (run.parts), on one
+    """Sections attention and experts, and the parts of the overhead section's points (run.parts), on one
     LayerProfile of `--graph-reps` layers whose cache holds their largest point."""
     spec = MoeModelSpec.from_hf_config(model_config(base, args.graph_reps))
     grid = [(b, c) for c in args.contexts for b in args.batches]
-    overlap = [] if device.type != "cuda" else list(args.overlap)
-    points = grid + [(b, c) for b, c, _ in overlap] + step_grid(args)
+    points = grid + step_grid(args)
     fit, why = fitting(points, spec, dtype, kv_budget(spec, device, dtype))
     prof = LayerProfile(base, device, dtype, **engine_sizes(fit or [(1, 1)]), num_layers=args.graph_reps)
     run.out["meta"]["expert_paths"] = {t: prof.expert_path(t) for t in args.expert_tokens}
@@ -394,17 +403,6 @@ def layer_sections(run: Recorder, args, base: dict, device: torch.device, dtype:
             run.point("experts", {"tokens": tokens}, lambda t=tokens: {"ms": experts_ms(prof, t, args)})
         return run.out["experts"]
 
-    def overlapped() -> list[dict]:
-        for batch, context, tokens in args.overlap:
-            point = {"batch": batch, "context": context, "tokens": tokens}
-            if device.type != "cuda":
-                run.skip("overlap", point, "needs CUDA streams")
-            elif (batch, context) in why:
-                run.skip("overlap", point, why[batch, context])
-            else:
-                run.point("overlap", point, lambda p=(batch, context, tokens): overlap_row(prof, *p, args))
-        return run.out["overlap"]
-
     def parts() -> None:
         for batch, context in step_grid(args):
             if (batch, context) in why or run.over():
@@ -420,10 +418,27 @@ def layer_sections(run: Recorder, args, base: dict, device: torch.device, dtype:
         section(name, fn, run.out)
         save(run.out, args.json)
     run.mark("the overhead's parts")
-    parts()  # before the overlap study: the planner needs the overhead, within the time budget
-    run.mark("section overlap")
-    section("overlap", overlapped, run.out)
-    save(run.out, args.json)
+    parts()
+
+
+def overlap_section(run: Recorder, args, base: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Attention of one micro-batch beside experts of another on two streams, on a LayerProfile of its own (built
+    after the other sections' engines are gone, sized for these points only). It runs last: a stalled GPU (the
+    `--stall-s` watchdog) then costs no other section's numbers."""
+    if device.type != "cuda":
+        for batch, context, tokens in args.overlap:
+            run.skip("overlap", {"batch": batch, "context": context, "tokens": tokens}, "needs CUDA streams")
+        return run.out["overlap"]
+    spec = MoeModelSpec.from_hf_config(model_config(base, args.graph_reps))
+    fit, why = fitting([(b, c) for b, c, _ in args.overlap], spec, dtype, kv_budget(spec, device, dtype))
+    prof = LayerProfile(base, device, dtype, **engine_sizes(fit), num_layers=args.graph_reps) if fit else None
+    for batch, context, tokens in args.overlap:
+        point = {"batch": batch, "context": context, "tokens": tokens}
+        if (batch, context) in why:
+            run.skip("overlap", point, why[batch, context])
+        else:
+            run.point("overlap", point, lambda p=(batch, context, tokens): overlap_row(prof, *p, args))
+    return run.out["overlap"]
 
 
 def step_grid(args) -> list[tuple[int, int]]:
@@ -447,7 +462,9 @@ def step_engine(run: Recorder, args, base: dict, num_layers: int, device, dtype)
         kv_cache_tokens=sizes["num_positions"],
         cuda_graphs=not args.eager,
     )
-    return RolloutEngine.from_config(cfg, device=device, dtype=dtype, config=config, seed=0), why
+    engine = RolloutEngine.from_config(cfg, device=device, dtype=dtype, config=config, seed=0)
+    fill_cache(engine)
+    return engine, why
 
 
 def steps_section(run: Recorder, args, base: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
@@ -609,6 +626,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--eager", action="store_true", help="time op by op (no CUDA graphs)")
     ap.add_argument("--time-budget-s", type=float, default=200.0, help="points starting later are skipped")
+    ap.add_argument(
+        "--stall-s",
+        type=float,
+        default=60.0,
+        help="overlap section: a timing the GPU has not finished after this many seconds ends the run (exit 3)",
+    )
     add_bandwidth_arg(ap)
     ap.add_argument("--json", default="bench/out/rollout_disagg_profile.json")
     if ap.parse_known_args(argv)[0].tiny:
@@ -619,6 +642,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.graph_reps < 1:
         ap.error("--graph-reps must be >= 1")
     return args
+
+
+def stalled(run: Recorder, args, name: str, err: GpuStalled, t0: float) -> None:
+    """Record the stall, write the profile and its tables, and end the process without waiting on the GPU
+    (exit status 3): CUDA's teardown would wait for the stuck work."""
+    print(f"{name}: {err}; writing what was measured and exiting", flush=True)
+    run.out["errors"].append({"section": name, "error": f"GpuStalled: {err}"})
+    run.out["meta"]["seconds"] = time.monotonic() - t0
+    save(run.out, args.json)
+    print_tables(run.out)
+    sys.stdout.flush()
+    os._exit(3)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -638,9 +673,16 @@ def main(argv: list[str] | None = None) -> dict:
             )
             free_memory()
         # overhead before steps: the planner needs it, the steps only check the planner
-        for name, fn in (("overhead", overhead_section), ("steps", steps_section)):
+        for name, fn in (
+            ("overhead", overhead_section),
+            ("steps", steps_section),
+            ("overlap", overlap_section),
+        ):
             run.mark(f"section {name}: building its engine")
-            section(name, lambda f=fn: f(run, args, base, device, dtype), run.out)
+            try:
+                section(name, lambda f=fn: f(run, args, base, device, dtype), run.out)
+            except GpuStalled as err:
+                stalled(run, args, name, err, t0)
             save(run.out, args.json)
     run.out["meta"]["seconds"] = time.monotonic() - t0
     save(run.out, args.json)

@@ -17,6 +17,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
+import rollout_decode  # noqa: E402
 import rollout_disagg as bench  # noqa: E402
 
 MODEL_KEYS = {
@@ -243,3 +244,71 @@ def test_a_json_is_written_after_each_section(tmp_path, monkeypatch):
     with_overhead = [w for w in written if w["overhead"]]
     assert with_overhead and "steps_error" not in with_overhead[0]
     assert written[-1]["steps_error"] == "RuntimeError: killed"
+
+
+class NeverDone:
+    """A CUDA event stand-in whose work never finishes (a stuck GPU)."""
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        raise AssertionError("a watched wait must poll, not block")
+
+
+class DoneAfter(NeverDone):
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls <= 0
+
+
+def test_a_watched_wait_raises_on_a_stuck_gpu_and_returns_when_the_work_ends():
+    with pytest.raises(rollout_decode.GpuStalled, match=r"after 0\.05 s"):
+        rollout_decode.wait_event(NeverDone(), stall_s=0.05)
+    done = DoneAfter(polls=5)
+    rollout_decode.wait_event(done, stall_s=5.0)
+    assert done.polls == 0
+
+
+def test_a_stalled_overlap_writes_the_profile_and_exits_with_status_3(tmp_path, monkeypatch):
+    """The overlap section runs last: a stall there keeps every other section on disk, records itself, and ends
+    the process (os._exit, no CUDA teardown) instead of hanging."""
+
+    def stuck(*args):
+        raise bench.GpuStalled("the GPU has not finished the timed work after 60 s")
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(bench, "overlap_section", stuck)
+    monkeypatch.setattr(bench.os, "_exit", exit_)
+    path = tmp_path / "p.json"
+    with pytest.raises(SystemExit) as ended:
+        bench.main(["--profile", "--tiny", "--json", str(path)])
+    assert ended.value.code == 3
+    out = json.loads(path.read_text())
+    assert out["steps"] and out["overhead"] and out["attention"] and out["experts"]
+    assert out["errors"] == [
+        {"section": "overlap", "error": "GpuStalled: the GPU has not finished the timed work after 60 s"}
+    ]
+
+
+def test_step_rows_route_like_distinct_sequences():
+    """The steps and overhead sections time the runner on decode_step's rows: each row's own random token over a
+    random cache, so a step of b rows touches about E (1 - (1 - K/E)^b) experts per layer, as the experts
+    section assumes; rows fed one token over a zeroed cache would all pick the same K."""
+    args = bench.parse_args(["--profile", "--tiny", "--step-batches", "8", "--step-contexts", "20"])
+    run = bench.Recorder(bench.new_profile(args, bench.TINY, torch.device("cpu")), args.time_budget_s)
+    engine, why = bench.step_engine(run, args, bench.TINY, 2, torch.device("cpu"), torch.float32)
+    assert not why
+    spec = engine.spec
+    with torch.inference_mode(), bench.decode_step(engine, 8, bench.at_context(20)) as inputs:
+        engine.cache.sync_table()
+        routes_TLK = engine.runner.run(inputs).routes_TLK[:8]
+    expected = spec.num_experts * (1 - (1 - spec.top_k / spec.num_experts) ** 8)
+    for layer in range(spec.num_layers):
+        touched = len(np.unique(routes_TLK[:, layer]))
+        assert touched > spec.top_k and touched >= 0.6 * expected, (layer, touched, expected)
