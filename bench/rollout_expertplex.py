@@ -29,7 +29,7 @@ each over its time alone:
 - streams: both passes on the grouped path; the GPU's stream priorities are the only scheduling.
 - persistent: the prefill pass is a persistent launch with a preemption flag; the decode pass sets the flag on
   its stream, runs, then the prefill's left tiles are resumed (`persistent_moe_run(resume=...)`). The decode pass
-  waits at most for the prefill tiles in flight (one tile per SM).
+  waits at most for the prefill tiles in flight (one tile per resident program).
 """
 
 from __future__ import annotations
@@ -314,15 +314,17 @@ def main() -> None:
     ap.add_argument("--sweep-programs", type=int_list, default=[1, 2, 4])
     blocks = lambda s: [tuple(int(v) for v in b.split(":")) for b in s.split(",")]  # noqa: E731
     ap.add_argument(
-        "--sweep-decode-blocks", type=blocks, default=[(16, 64, 64), (16, 128, 64), (16, 64, 128)],
+        "--sweep-decode-blocks", type=blocks,
+        default=[(16, 64, 128), (16, 128, 64), (16, 128, 128), (16, 256, 64), (32, 128, 64)],
         help="block_m_decode:block_n:block_k,... of the decode pass",
     )  # fmt: skip
     ap.add_argument(
-        "--sweep-prefill-blocks", type=blocks, default=[(64, 64, 64), (64, 128, 64), (128, 128, 64)],
+        "--sweep-prefill-blocks", type=blocks,
+        default=[(128, 128, 64), (128, 256, 64), (128, 128, 128), (256, 128, 64), (64, 256, 64)],
         help="block_m_prefill:block_n:block_k,... of the prefill pass",
     )  # fmt: skip
     ap.add_argument("--sweep-warps", type=int_list, default=[4, 8])
-    ap.add_argument("--sweep-stages", type=int_list, default=[3, 4])
+    ap.add_argument("--sweep-stages", type=int_list, default=[3, 4, 5])
     add_bandwidth_arg(ap)
     ap.add_argument("--json", default="bench/out/rollout_expertplex.json")
     if ap.parse_known_args()[0].tiny:

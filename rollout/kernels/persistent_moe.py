@@ -29,8 +29,8 @@ launches over the same tiles: A computes act = silu(x gate_e^T) * (x up_e^T) for
 h through order_R) into act_RF (sorted order), B computes act down_e^T into y_RH (token order). A work item is
 (tile q, column block n) of F (phase A) or H (phase B) in BLOCK_N columns, numbered w = q NB + n, so decode items
 come first in both. Each is a [M, BLOCK_N] fp32 accumulator over the reduction (H in A, F in B) in BLOCK_K steps;
-loads and stores are in the input dtype. The grid is fixed (one program per SM; `num_programs`), sized without
-reading the device, and program i walks items w = i, i + P, i + 2P, ... while w < (total tiles) NB, the total read
+loads and stores are in the input dtype. The grid is fixed (PROGRAMS_PER_SM programs per SM; `num_programs`),
+sized without reading the device, and program i walks items w = i, i + P, i + 2P, ... while w < (total tiles) NB, the total read
 from device memory. Nothing accumulates across programs: the k-sum is a torch fp32 sum over y_RH in token order,
 rounded once (as `rollout.model.padded_combine`), so results do not depend on the schedule.
 
@@ -78,12 +78,17 @@ __all__ = [
     "triton_runs_on",
 ]
 
+# Defaults from bench/rollout_expertplex.py --sections sweep on an H100 (Qwen3-30B-A3B experts, bf16, graph-timed;
+# bench/RESULTS.md): the best configuration for a mixed launch, whose two phases share block_n, block_k and the
+# launch options. Against one program per SM with 64-row prefill tiles, 64 x 64 blocks, 4 warps, 3 stages: a
+# 128-row decode pass 638 -> 548 us, an 8192-token prefill pass 4586 -> 2747 us.
 BLOCK_M_DECODE = 16  # the smallest tl.dot operand: decode groups hold few pairs each
-BLOCK_M_PREFILL = 64
-BLOCK_N = 64
+BLOCK_M_PREFILL = 128
+BLOCK_N = 128
 BLOCK_K = 64
-NUM_WARPS = 4
-NUM_STAGES = 3
+NUM_WARPS = 8
+NUM_STAGES = 4
+PROGRAMS_PER_SM = 2  # a second resident program keeps weight loads in flight while the other one computes
 LAUNCH = {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
 INTERPRETER_PROGRAMS = 4  # the default grid under TRITON_INTERPRET=1 (CPU tensors)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -740,7 +745,8 @@ def persistent_moe_run(
     resume: a tracked run of the same inputs and num_decode: its tiles and buffers are reused and only the items
     it left are launched (a flag may preempt again). The buffers and done masks are updated in place (the
     returned run shares them). Block sizes come from the run; num_programs may differ.
-    num_programs: the persistent grid, by default the SM count (CUDA) or 4 (interpreter), capped at the items.
+    num_programs: the persistent grid, by default PROGRAMS_PER_SM x the SM count (CUDA) or 4 (interpreter), capped
+    at the items.
     num_warps, num_stages: Triton's launch options of both kernels (the software pipeline's depth)."""
     if triton is None:
         raise RuntimeError("persistent_moe needs Triton")
@@ -766,7 +772,8 @@ def persistent_moe_run(
     else:
         run = resume
     if num_programs is None:
-        num_programs = INTERPRETER_PROGRAMS if h_TH.device.type == "cpu" else _num_sms(h_TH.device.index or 0)
+        on_cpu = h_TH.device.type == "cpu"
+        num_programs = INTERPRETER_PROGRAMS if on_cpu else PROGRAMS_PER_SM * _num_sms(h_TH.device.index or 0)
     launch = {"num_warps": num_warps, "num_stages": num_stages}
     _launch_gate_up(run, h_TH, gate_up_EFH, preempt_flag, num_programs, launch)
     _launch_down(run, down_EHF, preempt_flag, num_programs, launch)

@@ -13,7 +13,7 @@ B_d decode rows per step of T_d, O output tokens. Kernel times (equation 2): t(x
 + delta x s^2, fitted by non-negative least squares (relative error) to points: attention with x sequences and s
 their length (decode: the `attention` rows of a profile, else the roofline; prefill: the roofline, which the
 profile schema has no rows for), MoE with x = x_moe = sum_e ceil(m_e / M_t) tiles (equation 3; M_t = 16 for
-decode and 64 for prefill, rollout/kernels/persistent_moe.py's BLOCK_M_DECODE / BLOCK_M_PREFILL), from the
+decode and 128 for prefill, rollout/kernels/persistent_moe.py's BLOCK_M_DECODE / BLOCK_M_PREFILL), from the
 profile's `experts` rows or the roofline converted to expected tiles, and s unused.
 
 Assumptions (where this departs from or goes beyond the paper):
@@ -47,7 +47,7 @@ from rollout.plan.profile import Profile, relative_nnls
 from rollout.plan.search import Search, Workload, dispatch_bytes_per_token
 
 TILE_M_DECODE = 16  # rollout/kernels/persistent_moe.py BLOCK_M_DECODE (not imported: that module needs torch)
-TILE_M_PREFILL = 64  # ... BLOCK_M_PREFILL
+TILE_M_PREFILL = 128  # ... BLOCK_M_PREFILL
 PREEMPT_US = 25.0
 ARCHS = ("shared", "pd-replicas", "colocated")
 
