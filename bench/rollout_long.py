@@ -21,8 +21,8 @@ Modes:
   each generating min(window, remaining) tokens from prompt + all its tokens so far (the continuation is
   prefilled again), with its own seed, so it continues the same random stream (`same_tokens_as_plain` says how
   many requests came out token for token as in plain mode; numerics of other batch shapes may flip a sample).
-Before timing, each engine runs a warm-up generate of `--max-batch-size` requests (prompts from the same
-range, `--warmup-tokens` new tokens) that captures the CUDA graphs of the decode-only row buckets; graphs
+Before timing, each engine runs a warm-up generate of `--max-batch-size` requests (short prompts,
+`--warmup-tokens` new tokens) that captures the CUDA graphs of the decode-only row buckets; graphs
 captured later (mixed-step shapes of at most `--cuda-graph-max-tokens` tokens) are in the timed run, and the
 table counts them.
 
@@ -79,6 +79,7 @@ from rollout.engine import GenerateStats, StepTrace
 from rollout.kv_cache import CachePlan, plan_cache
 from rollout.model_spec import MoeModelSpec
 
+WARMUP_PROMPT = 16  # tokens per warm-up prompt (see warm_up)
 TINY_LONG = dict(TINY, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
 # --tiny: a KV budget in which the slot cache holds fewer sequences than the paged one (480 tokens: 4 slots of
 # 96 positions vs 29 blocks of 16 positions for 12 requests of up to 88 positions).
@@ -177,15 +178,14 @@ def params_for(lengths: list[int], seeds: list[int]) -> list[SamplingParams]:
 
 
 def warm_up(engine: RolloutEngine, args, vocab: int) -> dict:
-    """Capture the decode-only buckets' graphs before timing: max_batch_size requests, admitted over the steps
-    their prompts take to prefill, decode together once the last is admitted (when warmup_tokens outlasts that
-    ramp: ~170 steps of 2048-token chunks for the default workload), then finish one after another, so the
-    decode-only steps meet every row bucket from max_batch_size down to 1."""
+    """Capture the decode-only buckets' graphs before timing: max_batch_size requests of WARMUP_PROMPT tokens,
+    admitted within a step or two, decode together, then finish one after another, so the decode-only steps meet
+    every row bucket from max_batch_size down to 1. The prompts are short because a decode step's graph depends
+    on its rows, not on their context: the workload's 512-2048-token prompts would add ~170 prefill steps of
+    2048 tokens (158 s at 48 layers on an H100) and capture nothing more."""
     rng = np.random.default_rng([args.seed, 1])
     n = args.max_batch_size
-    prompts = [
-        rng.integers(0, vocab, size=m).tolist() for m in rng.integers(args.prompt_min, args.prompt_max + 1, n)
-    ]
+    prompts = [rng.integers(0, vocab, size=WARMUP_PROMPT).tolist() for _ in range(n)]
     sync(engine.device)
     t0 = time.perf_counter()
     engine.generate(prompts, params_for([args.warmup_tokens] * n, list(range(n))))

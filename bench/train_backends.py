@@ -275,6 +275,9 @@ def table(results: list[dict], s: Shape) -> str:
                 f"{_fmt(r.get('resident_gib'), '.1f', 10)}"
             )
     for r in results:
+        if r.get("losses"):  # every update's value loss, warm-up included: the backends compare step by step
+            lines.append(f"{r['variant']} value loss per update: {', '.join(f'{v:.4f}' for v in r['losses'])}")
+    for r in results:
         if r["variant"] == "reference_offload" and "error" not in r:
             lines.append(
                 f"reference on ZeRO-3, parameters offloaded: {r['param_gib']:.2f} GiB of parameters; GPU memory "

