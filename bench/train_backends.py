@@ -276,7 +276,9 @@ def table(results: list[dict], s: Shape) -> str:
             )
     for r in results:
         if r.get("losses"):  # every update's value loss, warm-up included: the backends compare step by step
-            lines.append(f"{r['variant']} value loss per update: {', '.join(f'{v:.4f}' for v in r['losses'])}")
+            lines.append(
+                f"{r['variant']} value loss per update: {', '.join(f'{v:.4f}' for v in r['losses'])}"
+            )
     for r in results:
         if r["variant"] == "reference_offload" and "error" not in r:
             lines.append(
