@@ -644,14 +644,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def stalled(run: Recorder, args, name: str, err: GpuStalled, t0: float) -> None:
-    """Record the stall, write the profile and its tables, and end the process without waiting on the GPU
-    (exit status 3): CUDA's teardown would wait for the stuck work."""
-    print(f"{name}: {err}; writing what was measured and exiting", flush=True)
-    run.out["errors"].append({"section": name, "error": f"GpuStalled: {err}"})
+def finish(run: Recorder, args, t0: float) -> None:
+    """The run's time into the profile, the profile written, its tables printed."""
     run.out["meta"]["seconds"] = time.monotonic() - t0
     save(run.out, args.json)
     print_tables(run.out)
+
+
+def stalled(run: Recorder, args, name: str, err: GpuStalled, t0: float) -> None:
+    """Record the stall, finish the run, and end the process without waiting on the GPU (exit status 3): CUDA's
+    teardown would wait for the stuck work."""
+    print(f"{name}: {err}; writing what was measured and exiting", flush=True)
+    run.out["errors"].append({"section": name, "error": f"GpuStalled: {err}"})
+    finish(run, args, t0)
     sys.stdout.flush()
     os._exit(3)
 
@@ -669,7 +674,7 @@ def main(argv: list[str] | None = None) -> dict:
         except Exception as err:  # the layer engine could not be built: the steps may still run
             traceback.print_exc()
             run.out["errors"].append(
-                {"section": "attention,experts,overlap", "error": f"{type(err).__name__}: {err}"}
+                {"section": "attention,experts", "error": f"{type(err).__name__}: {err}"}
             )
             free_memory()
         # overhead before steps: the planner needs it, the steps only check the planner
@@ -684,9 +689,7 @@ def main(argv: list[str] | None = None) -> dict:
             except GpuStalled as err:
                 stalled(run, args, name, err, t0)
             save(run.out, args.json)
-    run.out["meta"]["seconds"] = time.monotonic() - t0
-    save(run.out, args.json)
-    print_tables(run.out)
+    finish(run, args, t0)
     return run.out
 
 

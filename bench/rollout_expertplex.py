@@ -17,8 +17,8 @@ Section `sweep`: the persistent kernel's launch parameters for one decode pass (
 prefill pass (`--sweep-prefill`): programs per SM (`--sweep-programs`: the persistent grid is that many times the
 SM count; more than one resident program per SM hides more memory latency), blocks (`--sweep-decode-blocks`,
 `--sweep-prefill-blocks`: block_m of the pass's phase, block_n, block_k), warps and pipeline stages. Every
-configuration and the grouped path are timed as one CUDA graph of the whole call (tile table, both launches, combine: as the engine replays a step), so
-the host's launches are not timed; decode rows report the fraction of the copy bandwidth that reading the
+configuration and the grouped path are timed as one CUDA graph of the whole call (tile table, both launches,
+combine: as the engine replays a step), so the host's launches are not timed; decode rows report the fraction of the copy bandwidth that reading the
 experts the pass routes to takes, prefill rows the fraction of the grouped path's throughput. Configurations
 that fail to compile (shared memory) are listed with their error.
 

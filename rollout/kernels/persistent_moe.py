@@ -30,8 +30,8 @@ h through order_R) into act_RF (sorted order), B computes act down_e^T into y_RH
 (tile q, column block n) of F (phase A) or H (phase B) in BLOCK_N columns, numbered w = q NB + n, so decode items
 come first in both. Each is a [M, BLOCK_N] fp32 accumulator over the reduction (H in A, F in B) in BLOCK_K steps;
 loads and stores are in the input dtype. The grid is fixed (PROGRAMS_PER_SM programs per SM; `num_programs`),
-sized without reading the device, and program i walks items w = i, i + P, i + 2P, ... while w < (total tiles) NB, the total read
-from device memory. Nothing accumulates across programs: the k-sum is a torch fp32 sum over y_RH in token order,
+sized without reading the device, and program i walks items w = i, i + P, i + 2P, ... while w < (total tiles) NB,
+the total read from device memory. Nothing accumulates across programs: the k-sum is a torch fp32 sum over y_RH in token order,
 rounded once (as `rollout.model.padded_combine`), so results do not depend on the schedule.
 
 Preemption and resume. With `preempt_flag` (int32, one element in device memory), a program reads the flag

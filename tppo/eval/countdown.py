@@ -4,13 +4,13 @@ can be evaluated (`python -m recipes.eval checkpoint=runs/default data=synthetic
 
 Problems: one per start n in [MIN_START, max_number), the range the training prompts are drawn from, in that
 order (`limit` keeps the shortest). A sample is correct when the task's own verifier gives it full marks: the
-exact countdown n-1, ..., 0 and then EOS (`rollout.synthetic.Countdown.score` = 1). Its "answer" for the majority vote
-is the decoded response.
+exact countdown n-1, ..., 0 and then EOS (`rollout.synthetic.Countdown.score` = 1). Its "answer" for the
+majority vote is the decoded response.
 
-The tokenizer: a word-level vocabulary whose ids are the task's ids, numbers "0".."max_number-1" then the specials
-<bos>, <eos>, <sep>, <pad>, split on whitespace (so a countdown decodes as "11 10 ... 0"); an unknown word
-encodes to <pad>. Its size names the task (`task_of`): an export of a run with data.countdown_max=N carries the
-tokenizer of N numbers.
+The tokenizer: a word-level vocabulary whose ids are the task's ids, numbers "0".."max_number-1" then the
+specials <bos>, <eos>, <sep>, <pad>, split on whitespace (so a countdown decodes as "11 10 ... 0"); an unknown
+word encodes to <pad>. Its size names the task (`task_of`): an export of a run with data.countdown_max=N carries
+the tokenizer of N numbers.
 """
 
 from __future__ import annotations
