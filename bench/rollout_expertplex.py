@@ -155,7 +155,12 @@ def section_paths(layer: Layer, args) -> list[dict]:
 
 def graphed(fn, device: torch.device, eager: bool):
     """fn as the engine runs it: one CUDA graph replay (warmed up on a side stream first, so torch.compile and
-    Triton compile outside the capture, as the runner does); fn itself off CUDA or when `eager`."""
+    Triton compile outside the capture, as the runner does); fn itself off CUDA or when `eager`.
+
+    The graph is captured on that side stream, not on torch's default capture stream: cuBLAS workspaces are
+    keyed by (handle, stream), so every graph captured on one stream embeds the same workspace address, and two
+    such graphs replayed at once on two streams (the overlap study) race on it (pytorch/pytorch#193402; torch
+    2.11 also frees that workspace when any graph captured on the stream is destroyed)."""
     if device.type != "cuda" or eager:
         return fn
     side = torch.cuda.Stream(device)
@@ -165,7 +170,7 @@ def graphed(fn, device: torch.device, eager: bool):
         fn()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         fn()
     return graph.replay
 
