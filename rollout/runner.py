@@ -241,6 +241,9 @@ class StepRunner:
 
     def _capture(self, shape: _Shape) -> torch.cuda.CUDAGraph | None:
         # The warm-up run executes the real step on the real inputs (the KV writes are the ones the replay repeats).
+        # Every graph is captured on torch's default capture stream, so all of them embed that stream's cuBLAS
+        # workspace: safe because they replay one at a time on one stream (graphs replayed concurrently must be
+        # captured on streams of their own, see bench/rollout_expertplex.py's graphed).
         try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
