@@ -16,11 +16,12 @@ time on the CPU); the largest difference to the fp32 reference (`moe_reference`)
 Section `sweep`: the persistent kernel's launch parameters for one decode pass (`--sweep-decode` tokens) and one
 prefill pass (`--sweep-prefill`): programs per SM (`--sweep-programs`: the persistent grid is that many times the
 SM count; more than one resident program per SM hides more memory latency), blocks (`--sweep-decode-blocks`,
-`--sweep-prefill-blocks`: block_m of the pass's phase, block_n, block_k), warps and pipeline stages. Every
+`--sweep-prefill-blocks`: block_m of the pass's phase, block_n, block_k), warps, pipeline stages and weight loads
+(`--sweep-tma`: TMA descriptors or per-thread loads; the paths section then adds a persistent_tma row). Every
 configuration and the grouped path are timed as one CUDA graph of the whole call (tile table, both launches,
-combine: as the engine replays a step), so the host's launches are not timed; decode rows report the fraction of the copy bandwidth that reading the
-experts the pass routes to takes, prefill rows the fraction of the grouped path's throughput. Configurations
-that fail to compile (shared memory) are listed with their error.
+combine: as the engine replays a step), so the host's launches are not timed; decode rows report the fraction of
+the copy bandwidth that reading the experts the pass routes to takes, prefill rows the fraction of the grouped
+path's throughput. Configurations that fail to compile (shared memory) are listed with their error.
 
 Section `arrival` (CUDA only; section 7.3 of the paper): a prefill pass of `--arrival-prefill` tokens starts on a
 low-priority stream; a decode pass of `--arrival-decode` tokens is launched `--arrival-delay-us` later on a
@@ -75,6 +76,7 @@ TINY_ARGS = dict(
     sweep_prefill_blocks=[(16, 16, 16)],
     sweep_warps=[4],
     sweep_stages=[2],
+    sweep_tma=[0, 1],
 )
 
 
@@ -99,8 +101,8 @@ class Layer:
         return dict(h_TH=h_TH, weights_TK=weights_TK, ids_TK=ids_TK, residual_TH=residual_TH)
 
     def run(self, path: str, x: dict, num_decode: int) -> torch.Tensor:
-        if path == "persistent":
-            return self.persistent(x, num_decode).out_TH
+        if path in ("persistent", "persistent_tma"):
+            return self.persistent(x, num_decode, tma=path == "persistent_tma").out_TH
         model = self.engine.model
         model.capacity_for = padded_capacity if path == "padded" else no_padding
         return model.experts(
@@ -132,7 +134,7 @@ def section_paths(layer: Layer, args) -> list[dict]:
     for phase, tokens, num_decode in passes:
         x = layer.inputs(tokens, seed=tokens)
         ref = layer.reference(x)
-        for path in ("grouped", "padded", "persistent"):
+        for path in ("grouped", "padded", "persistent", *(["persistent_tma"] if 1 in args.sweep_tma else [])):
             if (
                 path == "padded"
                 and padded_capacity(tokens * layer.spec.top_k, layer.spec.num_experts) is None
@@ -187,13 +189,22 @@ def routed_expert_bytes(layer: Layer, ids_TK: torch.Tensor) -> int:
     return used * per_expert * layer.layer.gate_up_EFH.element_size()
 
 
+def tma_capable() -> bool:
+    """A CUDA device of compute capability >= 9.0 (TMA) and Triton's host descriptors."""
+    from rollout.kernels.persistent_moe import TensorDescriptor
+
+    ok = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+    return ok and TensorDescriptor is not None
+
+
 def sweep_configs(args, phase: str) -> list[dict]:
     return [
-        dict(programs=p, block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st)
+        dict(programs=p, block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st, tma=bool(tma))
         for p in args.sweep_programs
         for m, n, k in getattr(args, f"sweep_{phase}_blocks")
         for w in args.sweep_warps
         for st in args.sweep_stages
+        for tma in args.sweep_tma
     ]
 
 
@@ -220,7 +231,7 @@ def section_sweep(layer: Layer, args) -> list[dict]:
             block_m = {"block_m_decode" if phase == "decode" else "block_m_prefill": cfg["block_m"]}
             launch = dict(
                 num_programs=cfg["programs"] * sms, block_n=cfg["block_n"], block_k=cfg["block_k"],
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **block_m,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], tma=cfg["tma"], **block_m,
             )  # fmt: skip
             try:
                 out = layer.persistent(x, num_decode, **launch).out_TH
@@ -316,20 +327,23 @@ def main() -> None:
     ap.add_argument("--sections", type=lambda s: s.split(","), default=["paths", "sweep", "arrival"])
     ap.add_argument("--sweep-decode", type=int, default=128)
     ap.add_argument("--sweep-prefill", type=int, default=8192)
-    ap.add_argument("--sweep-programs", type=int_list, default=[1, 2, 4])
+    # the default grid: around session 29's H100 winners, with and without TMA (96 configurations)
+    ap.add_argument("--sweep-programs", type=int_list, default=[1, 2])
     blocks = lambda s: [tuple(int(v) for v in b.split(":")) for b in s.split(",")]  # noqa: E731
     ap.add_argument(
-        "--sweep-decode-blocks", type=blocks,
-        default=[(16, 64, 128), (16, 128, 64), (16, 128, 128), (16, 256, 64), (32, 128, 64)],
+        "--sweep-decode-blocks", type=blocks, default=[(16, 64, 128), (16, 128, 64), (16, 128, 128)],
         help="block_m_decode:block_n:block_k,... of the decode pass",
     )  # fmt: skip
     ap.add_argument(
-        "--sweep-prefill-blocks", type=blocks,
-        default=[(128, 128, 64), (128, 256, 64), (128, 128, 128), (256, 128, 64), (64, 256, 64)],
+        "--sweep-prefill-blocks", type=blocks, default=[(128, 128, 64), (128, 256, 64), (128, 128, 128)],
         help="block_m_prefill:block_n:block_k,... of the prefill pass",
     )  # fmt: skip
     ap.add_argument("--sweep-warps", type=int_list, default=[4, 8])
-    ap.add_argument("--sweep-stages", type=int_list, default=[3, 4, 5])
+    ap.add_argument("--sweep-stages", type=int_list, default=[3, 4])
+    ap.add_argument(
+        "--sweep-tma", type=int_list, default=[0, 1] if tma_capable() else [0],
+        help="weight tiles through TMA descriptors (1) or per-thread loads (0); also adds the paths' persistent_tma",
+    )  # fmt: skip
     add_bandwidth_arg(ap)
     ap.add_argument("--json", default="bench/out/rollout_expertplex.json")
     if ap.parse_known_args()[0].tiny:
@@ -365,13 +379,14 @@ def print_tables(results: dict) -> None:
         failed = sum(r["phase"] == phase and "error" in r for r in sweep)
         print(f"\nsweep, {phase}: {len(done)} configurations timed, {failed} failed; fastest 5 (graph-timed)")
         print(
-            "| programs/SM | block m:n:k | warps | stages | us | x grouped | bandwidth |\n|---|---|---|---|---|---|---|"
+            "| programs/SM | block m:n:k | warps | stages | TMA | us | x grouped | bandwidth |\n"
+            "|---|---|---|---|---|---|---|---|"
         )
         for r in done[:5]:
             bw = f"{100 * r['bandwidth_fraction']:.0f}%" if "bandwidth_fraction" in r else "-"
             print(
                 f"| {r['programs']} | {r['block_m']}:{r['block_n']}:{r['block_k']} | {r['num_warps']} | "
-                f"{r['num_stages']} | {r['us']:.1f} | {r['vs_grouped']:.2f} | {bw} |"
+                f"{r['num_stages']} | {'yes' if r.get('tma') else 'no'} | {r['us']:.1f} | {r['vs_grouped']:.2f} | {bw} |"
             )
     arrival = results.get("arrival", {})
     if "streams" in arrival:

@@ -65,6 +65,10 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
     triton = tl = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - Triton before 3.4, or none
+    TensorDescriptor = None
 
 __all__ = [
     "MoeRun",
@@ -89,6 +93,9 @@ BLOCK_K = 64
 NUM_WARPS = 8
 NUM_STAGES = 4
 PROGRAMS_PER_SM = 2  # a second resident program keeps weight loads in flight while the other one computes
+# Weight tiles through TMA descriptors (Hopper's bulk copies, what torch._grouped_mm's CUTLASS kernels use) instead
+# of per-thread loads: off until an H100/H200 sweep (bench/rollout_expertplex.py --sweep-tma 0,1) shows it faster.
+TMA = False
 LAUNCH = {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
 INTERPRETER_PROGRAMS = 4  # the default grid under TRITON_INTERPRET=1 (CPU tensors)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -276,8 +283,10 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
+        TMA: tl.constexpr,
     ):
-        """act[start + i, n] = silu(gate_e . h_t) * (up_e . h_t) for the tile's rows i and columns n of the block."""
+        """act[start + i, n] = silu(gate_e . h_t) * (up_e . h_t) for the tile's rows i and columns n of the block.
+        TMA: gate_up_ptr is a descriptor of gate_up as [E 2F, H] in [BLOCK_N, BLOCK_K] blocks."""
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -285,17 +294,26 @@ if triton is not None:
         n_ok = offs_n < F
         pair_M = tl.load(order_ptr + start + offs_m, mask=m_ok, other=0).to(tl.int64)
         x_rows = h_ptr + (pair_M // TOP_K)[:, None] * stride_ht
-        gate_cols = gate_up_ptr + expert.to(tl.int64) * stride_ge + offs_n.to(tl.int64)[None, :] * stride_gf
-        up_cols = gate_cols + F * stride_gf
+        if TMA:
+            gate_row = expert * (2 * F) + col_block * BLOCK_N
+        else:
+            gate_cols = (
+                gate_up_ptr + expert.to(tl.int64) * stride_ge + offs_n.to(tl.int64)[None, :] * stride_gf
+            )
+            up_cols = gate_cols + F * stride_gf
         gate_MN = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up_MN = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             k_K = k0 + offs_k
             k_ok = k_K < H
             x_MK = tl.load(x_rows + k_K[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            kn_ok = k_ok[:, None] & n_ok[None, :]
-            gate_KN = tl.load(gate_cols + k_K[:, None], mask=kn_ok, other=0.0)
-            up_KN = tl.load(up_cols + k_K[:, None], mask=kn_ok, other=0.0)
+            if TMA:
+                gate_KN = tl.trans(gate_up_ptr.load([gate_row, k0]))
+                up_KN = tl.trans(gate_up_ptr.load([gate_row + F, k0]))
+            else:
+                kn_ok = k_ok[:, None] & n_ok[None, :]
+                gate_KN = tl.load(gate_cols + k_K[:, None], mask=kn_ok, other=0.0)
+                up_KN = tl.load(up_cols + k_K[:, None], mask=kn_ok, other=0.0)
             gate_MN += dot_fp32(x_MK, gate_KN, PRECISION, UPCAST)
             up_MN += dot_fp32(x_MK, up_KN, PRECISION, UPCAST)
         act_MN = gate_MN * tl.sigmoid(gate_MN) * up_MN
@@ -327,21 +345,29 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
+        TMA: tl.constexpr,
     ):
-        """y[pair, n] = down_e[n] . act[start + i] for the tile's rows i (pair = order[start + i]) and columns n."""
+        """y[pair, n] = down_e[n] . act[start + i] for the tile's rows i (pair = order[start + i]) and columns n.
+        TMA: down_ptr is a descriptor of down as [E H, F] in [BLOCK_N, BLOCK_K] blocks."""
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         m_ok = offs_m < rows
         n_ok = offs_n < H
         act_rows = act_ptr + (start + offs_m).to(tl.int64)[:, None] * stride_ar
-        down_cols = down_ptr + expert.to(tl.int64) * stride_de + offs_n.to(tl.int64)[None, :] * stride_dh
+        if TMA:
+            down_row = expert * H + col_block * BLOCK_N
+        else:
+            down_cols = down_ptr + expert.to(tl.int64) * stride_de + offs_n.to(tl.int64)[None, :] * stride_dh
         acc_MN = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, F, BLOCK_K):
             k_K = k0 + offs_k
             k_ok = k_K < F
             act_MK = tl.load(act_rows + k_K[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            down_KN = tl.load(down_cols + k_K[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if TMA:
+                down_KN = tl.trans(down_ptr.load([down_row, k0]))
+            else:
+                down_KN = tl.load(down_cols + k_K[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc_MN += dot_fp32(act_MK, down_KN, PRECISION, UPCAST)
         pair_M = tl.load(order_ptr + start + offs_m, mask=m_ok, other=0).to(tl.int64)
         y_rows = y_ptr + pair_M[:, None] * stride_yr
@@ -376,6 +402,7 @@ if triton is not None:
         TRACK: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
+        TMA: tl.constexpr,
     ):
         """Phase A, persistent: items w = q NB + n (tile q, block n of F's columns) from program_id step grid."""
         pid = tl.program_id(0)
@@ -396,13 +423,13 @@ if triton is not None:
                     _gate_up_tile(
                         h_ptr, gate_up_ptr, act_ptr, order_ptr, expert, start, rows, col_block, H, F, TOP_K,
                         stride_ht, stride_ge, stride_gf, stride_ar,
-                        BLOCK_M_DECODE, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                        BLOCK_M_DECODE, BLOCK_N, BLOCK_K, PRECISION, UPCAST, TMA,
                     )  # fmt: skip
                 else:
                     _gate_up_tile(
                         h_ptr, gate_up_ptr, act_ptr, order_ptr, expert, start, rows, col_block, H, F, TOP_K,
                         stride_ht, stride_ge, stride_gf, stride_ar,
-                        BLOCK_M_PREFILL, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                        BLOCK_M_PREFILL, BLOCK_N, BLOCK_K, PRECISION, UPCAST, TMA,
                     )  # fmt: skip
                 if TRACK:
                     tl.store(done_ptr + w, 1)
@@ -435,6 +462,7 @@ if triton is not None:
         TRACK: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
+        TMA: tl.constexpr,
     ):
         """Phase B, persistent: items w = q NB + n (tile q, block n of H's columns). With a flag, an item runs
         only once all of its tile's phase-A items are done."""
@@ -463,13 +491,13 @@ if triton is not None:
                     _down_tile(
                         act_ptr, down_ptr, y_ptr, order_ptr, expert, start, rows, col_block, H, F,
                         stride_ar, stride_de, stride_dh, stride_yr,
-                        BLOCK_M_DECODE, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                        BLOCK_M_DECODE, BLOCK_N, BLOCK_K, PRECISION, UPCAST, TMA,
                     )  # fmt: skip
                 else:
                     _down_tile(
                         act_ptr, down_ptr, y_ptr, order_ptr, expert, start, rows, col_block, H, F,
                         stride_ar, stride_de, stride_dh, stride_yr,
-                        BLOCK_M_PREFILL, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                        BLOCK_M_PREFILL, BLOCK_N, BLOCK_K, PRECISION, UPCAST, TMA,
                     )  # fmt: skip
                 if TRACK:
                     tl.store(done_ptr + w, 1)
@@ -488,6 +516,7 @@ class MoeRun(NamedTuple):
     undone: torch.Tensor  # int32 scalar: prefill tiles whose output is not complete (0 if not tracked)
     block_n: int
     block_k: int
+    tma: bool  # weight tiles through TMA descriptors (a resume keeps the launch's choice, as its blocks)
 
 
 @functools.cache
@@ -589,6 +618,7 @@ def _launch_options(run: MoeRun, x: torch.Tensor, preempt_flag: torch.Tensor | N
         # operands would otherwise go through TF32 (10-bit mantissa)
         PRECISION="ieee" if interpreted or x.dtype == torch.float32 else "tf32",
         UPCAST=interpreted,
+        TMA=run.tma,
         **launch,
     )
 
@@ -615,7 +645,7 @@ def _launch_gate_up(
     done = run.done_a_W if run.done_a_W is not None else run.tiles.ends_2
     _gate_up_kernel[(min(programs, items),)](
         h_TH,
-        gate_up_EFH,
+        _weight_operand(gate_up_EFH, run),
         run.act_RF,
         *_table_args(run, preempt_flag),
         done,
@@ -648,7 +678,7 @@ def _launch_down(
         raise ValueError("preempt_flag needs a tracked run (done masks)")
     _down_kernel[(min(programs, items),)](
         run.act_RF,
-        down_EHF,
+        _weight_operand(down_EHF, run),
         run.y_RH,
         *_table_args(run, preempt_flag),
         run.done_b_W if tracked else run.tiles.ends_2,
@@ -662,6 +692,31 @@ def _launch_down(
         BLOCK_NB_A=triton.next_power_of_2(triton.cdiv(f, run.block_n)),
         **_launch_options(run, run.act_RF, preempt_flag, launch),
     )
+
+
+def _weight_operand(w_EXY: torch.Tensor, run: MoeRun):
+    """The weights as a kernel reads them: the tensor, or under TMA a descriptor of it as [E X, Y] in [block_n,
+    block_k] blocks (a block past an expert's X rows reads the next expert's or zeros: columns no store keeps)."""
+    if not run.tma:
+        return w_EXY
+    e, x, y = w_EXY.shape
+    return TensorDescriptor.from_tensor(w_EXY.view(e * x, y), [run.block_n, run.block_k])
+
+
+def _check_tma(gate_up_EFH: torch.Tensor, down_EHF: torch.Tensor) -> None:
+    """tma=True needs Triton's host descriptors, a device with TMA (sm_90+; any under the interpreter), and
+    contiguous weights whose rows are 16-byte aligned."""
+    if TensorDescriptor is None:
+        raise RuntimeError("tma=True needs triton.tools.tensor_descriptor (Triton >= 3.4)")
+    device = gate_up_EFH.device
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        raise ValueError(f"tma=True needs a GPU with TMA (compute capability >= 9.0), got {device}")
+    for name, w in (("gate_up_EFH", gate_up_EFH), ("down_EHF", down_EHF)):
+        if not w.is_contiguous() or w.data_ptr() % 16 or (w.shape[2] * w.element_size()) % 16:
+            raise ValueError(
+                f"tma=True needs {name} contiguous with 16-byte aligned rows, got shape {tuple(w.shape)}, "
+                f"strides {w.stride()}, {w.dtype}"
+            )
 
 
 def _combine(residual_TH: torch.Tensor, weights_TK: torch.Tensor, y_RH: torch.Tensor) -> torch.Tensor:
@@ -679,6 +734,7 @@ def _new_run(
     num_decode: int,
     track: bool,
     blocks: tuple[int, int, int, int],
+    tma: bool,
 ) -> MoeRun:
     """The tiles and buffers of a fresh launch (done masks only when tracked)."""
     block_m_decode, block_m_prefill, block_n, block_k = blocks
@@ -691,7 +747,7 @@ def _new_run(
     if track:
         done_a_W = torch.zeros(q * triton.cdiv(f, block_n), dtype=torch.int32, device=h_TH.device)
         done_b_W = torch.zeros(q * triton.cdiv(h, block_n), dtype=torch.int32, device=h_TH.device)
-    return MoeRun(None, tiles, act_RF, y_RH, done_a_W, done_b_W, None, block_n, block_k)
+    return MoeRun(None, tiles, act_RF, y_RH, done_a_W, done_b_W, None, block_n, block_k, tma)
 
 
 def _check_resume(resume: MoeRun, h_TH: torch.Tensor, ids_TK: torch.Tensor, f: int, num_decode: int) -> None:
@@ -736,6 +792,7 @@ def persistent_moe_run(
     block_k: int = BLOCK_K,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
+    tma: bool = TMA,
 ) -> MoeRun:
     """The experts of a step (first `num_decode` tokens decode) as the two persistent launches; CUDA tensors, or
     CPU tensors under TRITON_INTERPRET=1. No host synchronisation.
@@ -747,7 +804,9 @@ def persistent_moe_run(
     returned run shares them). Block sizes come from the run; num_programs may differ.
     num_programs: the persistent grid, by default PROGRAMS_PER_SM x the SM count (CUDA) or 4 (interpreter), capped
     at the items.
-    num_warps, num_stages: Triton's launch options of both kernels (the software pipeline's depth)."""
+    num_warps, num_stages: Triton's launch options of both kernels (the software pipeline's depth).
+    tma: load the weight tiles through TMA descriptors (sm_90+, contiguous weights with 16-byte aligned rows); a
+    resume keeps the run's choice."""
     if triton is None:
         raise RuntimeError("persistent_moe needs Triton")
     _check_inputs(h_TH, weights_TK, ids_TK, gate_up_EFH, down_EHF, residual_TH, preempt_flag, num_programs)
@@ -763,12 +822,14 @@ def persistent_moe_run(
         raise ValueError(
             f"num_warps must be a power of two <= 16 and num_stages >= 1, got {num_warps}, {num_stages}"
         )
+    if resume.tma if resume is not None else tma:
+        _check_tma(gate_up_EFH, down_EHF)
     if h_TH.device.type == "cpu" and not _interpreted():
         raise ValueError(
             "h_TH is on the CPU: the kernels run there only under TRITON_INTERPRET=1, set before import"
         )
     if resume is None:
-        run = _new_run(h_TH, ids_TK, e, f, num_decode, preempt_flag is not None, blocks)
+        run = _new_run(h_TH, ids_TK, e, f, num_decode, preempt_flag is not None, blocks, bool(tma))
     else:
         run = resume
     if num_programs is None:
@@ -797,6 +858,7 @@ def persistent_moe(
     block_k: int = BLOCK_K,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
+    tma: bool = TMA,
 ) -> torch.Tensor:
     """out_TH = residual + sum_k w_tk y_(t,k) (residual's dtype): `persistent_moe_run(...).out_TH`. With a flag
     set, prefill rows hold partial sums; call `persistent_moe_run` to keep the run and resume it."""
@@ -816,4 +878,5 @@ def persistent_moe(
         block_k=block_k,
         num_warps=num_warps,
         num_stages=num_stages,
+        tma=tma,
     ).out_TH

@@ -254,7 +254,7 @@ def test_bad_inputs_are_refused_before_any_launch(change, match):
 def test_resume_of_an_untracked_run_is_refused():
     inputs = make_inputs({})
     tiles = build_tiles(inputs["ids_TK"], 6, 6)
-    untracked = MoeRun(None, tiles, torch.empty(32, 24), torch.empty(32, 40), None, None, None, 64, 64)
+    untracked = MoeRun(None, tiles, torch.empty(32, 24), torch.empty(32, 40), None, None, None, 64, 64, False)
     with pytest.raises(ValueError, match="resume"):
         persistent_moe_run(**inputs, num_decode=6, resume=untracked)
     with pytest.raises(ValueError, match="resume"):
@@ -293,17 +293,37 @@ KERNEL_CASES = {
 GRIDS = (None, 1, 5)  # the default grid, one program walking every tile, an odd count
 
 
-def kernel_case(spec: dict, device: str) -> dict:
-    """Max error against the reference over the grids, and whether every grid gives the same bits."""
+def kernel_case(spec: dict, device: str, tma: bool = False) -> dict:
+    """Max error against the reference over the grids, and whether every grid gives the same bits; with tma,
+    also the largest difference from the per-thread-load path."""
     _, nd, blocks = spec_of(spec)
     inputs = make_inputs(spec, device)
     want_TH = fp32_reference(inputs)
-    outs = [persistent_moe(**inputs, num_decode=nd, num_programs=p, **blocks) for p in GRIDS]
-    return {
+    outs = [persistent_moe(**inputs, num_decode=nd, num_programs=p, tma=tma, **blocks) for p in GRIDS]
+    out = {
         "max_err": max(rel_err(out.float(), want_TH) for out in outs),
         "grid_invariant": all(torch.equal(outs[0], out) for out in outs[1:]),
         "dtype_ok": all(out.dtype == inputs["h_TH"].dtype and out.shape == want_TH.shape for out in outs),
     }
+    if tma:
+        loads_TH = persistent_moe(**inputs, num_decode=nd, **blocks)
+        out["vs_loads"] = rel_err(outs[0].float(), loads_TH.float())
+    return out
+
+
+def tma_fits(spec: dict) -> bool:
+    """Whether a case's weights have 16-byte aligned rows (H and F elements), as TMA descriptors need."""
+    s = {**BASE, **spec}
+    size = getattr(torch, s["dtype"]).itemsize
+    return (s["H"] * size) % 16 == 0 and (s["F"] * size) % 16 == 0
+
+
+def tma_runs_on(device: str) -> bool:
+    """TMA: Triton's host descriptors, and sm_90+ when compiled (the interpreter emulates it)."""
+    from rollout.kernels.persistent_moe import TensorDescriptor
+
+    cuda_ok = device != "cuda" or torch.cuda.get_device_capability() >= (9, 0)
+    return TensorDescriptor is not None and cuda_ok
 
 
 PREEMPT_CASES = {
@@ -411,6 +431,14 @@ def flag_cleared_between_phases(spec: dict, device: str) -> dict:
 
 def run_all(device: str) -> dict[str, dict]:
     results = {f"kernel/{name}": kernel_case(spec, device) for name, spec in KERNEL_CASES.items()}
+    if tma_runs_on(device):
+        for name, spec in KERNEL_CASES.items():
+            if tma_fits(spec):
+                results[f"kernel-tma/{name}"] = kernel_case(spec, device, tma=True)
+        mixed = PREEMPT_CASES["mixed"]
+        tma_spec = dict(mixed, blocks=dict(mixed["blocks"], tma=True))  # a resume keeps the launch's tma
+        results["preempt-before/mixed-tma"] = preempt_before_launch(tma_spec, device)
+        results["preempt-mid/mixed-tma"] = preempt_mid_launch(tma_spec, device)
     for name, spec in PREEMPT_CASES.items():
         results[f"preempt-before/{name}"] = preempt_before_launch(spec, device)
     for name in ("mixed", "mixed-default-blocks"):
@@ -480,6 +508,34 @@ def test_interpreted_preempt_mid_launch_then_resume(interpreted, name):
     check_flag_cleared(interpreted[f"flag-cleared/{name}"], exact=True)
 
 
+TMA_CASES = [name for name, spec in KERNEL_CASES.items() if tma_fits(spec)]
+
+
+def check_tma(results: dict, exact: bool) -> None:
+    """Every aligned case through TMA descriptors: the reference's tolerance, grid invariance, and the per-thread
+    path's values (bitwise under the interpreter, whose dot is one numpy product either way); preemption and
+    resume as without TMA."""
+    for name in TMA_CASES:
+        result = results[f"kernel-tma/{name}"]
+        check_kernel(result, KERNEL_CASES[name])
+        assert result["vs_loads"] <= (0.0 if exact else 2e-2), (name, result)
+    check_preempt_before(results["preempt-before/mixed-tma"])
+    check_preempt_mid(results["preempt-mid/mixed-tma"], exact=exact)
+
+
+def test_interpreted_tma_descriptors_equal_the_loads_path(interpreted):
+    assert len(TMA_CASES) >= 10  # the odd shapes are the only ones left out
+    check_tma(interpreted, exact=True)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
+def test_tma_refuses_unaligned_weights():
+    spec = KERNEL_CASES["odd-h37-f21-small-blocks"]
+    inputs = make_inputs(spec)
+    with pytest.raises(ValueError, match="16-byte aligned rows"):
+        persistent_moe(**inputs, num_decode=spec["num_decode"], tma=True, **spec["blocks"])
+
+
 # ------------------------------------------------------------------------------------------- compiled, CUDA
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and HAS_TRITON), reason="needs a CUDA device and Triton"
@@ -497,6 +553,8 @@ def test_compiled_cases_on_cuda():
     for name in ("mixed", "mixed-default-blocks"):
         check_preempt_mid(results[f"preempt-mid/{name}"], exact=False)
         check_flag_cleared(results[f"flag-cleared/{name}"], exact=False)
+    if tma_runs_on("cuda"):
+        check_tma(results, exact=False)
 
 
 REALISTIC = dict(T=256, num_decode=192, H=1024, F=768, E=64, K=8, dtype="bfloat16")
