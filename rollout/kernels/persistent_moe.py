@@ -31,8 +31,10 @@ h through order_R) into act_RF (sorted order), B computes act down_e^T into y_RH
 come first in both. Each is a [M, BLOCK_N] fp32 accumulator over the reduction (H in A, F in B) in BLOCK_K steps;
 loads and stores are in the input dtype. The grid is fixed (PROGRAMS_PER_SM programs per SM; `num_programs`),
 sized without reading the device, and program i walks items w = i, i + P, i + 2P, ... while w < (total tiles) NB,
-the total read from device memory. Nothing accumulates across programs: the k-sum is a torch fp32 sum over y_RH in token order,
-rounded once (as `rollout.model.padded_combine`), so results do not depend on the schedule.
+the total read from device memory. Nothing accumulates across programs: a third launch (the combine) computes
+out_t = residual_t + sum_k w[t, k] y_(t,k) in fp32, k in order, rounded once, one program per (token, column block),
+so results do not depend on the schedule; it reads y_RH once, where the same formula in torch ops moves a [T, K, H]
+fp32 copy through memory four times (~0.8 ms of an 8192-token prefill pass on an H100).
 
 Preemption and resume. With `preempt_flag` (int32, one element in device memory), a program reads the flag
 before each prefill item (one scalar atomic read, broadcast to all of its threads: they agree even while the flag
@@ -502,6 +504,35 @@ if triton is not None:
                 if TRACK:
                     tl.store(done_ptr + w, 1)
 
+    @triton.jit
+    def _combine_kernel(
+        y_ptr,
+        w_ptr,
+        res_ptr,
+        out_ptr,
+        H,
+        TOP_K,
+        stride_yr,
+        stride_wt,
+        stride_wk,
+        stride_rt,
+        stride_rh,
+        stride_ot,
+        BLOCK_H: tl.constexpr,
+    ):
+        """out[t, n] = residual[t, n] + sum_k w[t, k] y[t K + k, n] for the program's token t and column block:
+        the products and their sum in fp32, k = 0, 1, ... in order, rounded once to out's dtype."""
+        t = tl.program_id(0).to(tl.int64)
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = offs_h < H
+        mixed_H = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for k in range(TOP_K):
+            w = tl.load(w_ptr + t * stride_wt + k * stride_wk)
+            y_H = tl.load(y_ptr + (t * TOP_K + k) * stride_yr + offs_h, mask=h_ok, other=0.0)
+            mixed_H += w * y_H.to(tl.float32)
+        res_H = tl.load(res_ptr + t * stride_rt + offs_h * stride_rh, mask=h_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * stride_ot + offs_h, (res_H + mixed_H).to(out_ptr.dtype.element_ty), mask=h_ok)
+
 
 # ------------------------------------------------------------------------------------------------- wrapper
 class MoeRun(NamedTuple):
@@ -719,11 +750,31 @@ def _check_tma(gate_up_EFH: torch.Tensor, down_EHF: torch.Tensor) -> None:
             )
 
 
+COMBINE_BLOCK_H = 1024  # columns per combine program: 8 x 2 KB rows of y in flight at K = 8, bf16
+
+
 def _combine(residual_TH: torch.Tensor, weights_TK: torch.Tensor, y_RH: torch.Tensor) -> torch.Tensor:
-    """residual + sum_k w_tk y_(t,k): summed in fp32 in token order, rounded once (as padded_combine)."""
+    """residual + sum_k w_tk y_(t,k) (`_combine_kernel`: fp32, k in order, rounded once), a new tensor."""
     t, k = weights_TK.shape
-    mixed_TH = (weights_TK.float()[..., None] * y_RH.view(t, k, -1).float()).sum(1)
-    return (residual_TH.float() + mixed_TH).to(residual_TH.dtype)
+    h = residual_TH.shape[1]
+    out_TH = torch.empty((t, h), dtype=residual_TH.dtype, device=residual_TH.device)
+    if t == 0:
+        return out_TH
+    block_h = min(COMBINE_BLOCK_H, triton.next_power_of_2(h))
+    _combine_kernel[(t, triton.cdiv(h, block_h))](
+        y_RH,
+        weights_TK,
+        residual_TH,
+        out_TH,
+        h,
+        k,
+        y_RH.stride(0),
+        *weights_TK.stride(),
+        *residual_TH.stride(),
+        out_TH.stride(0),
+        BLOCK_H=block_h,
+    )
+    return out_TH
 
 
 def _new_run(

@@ -84,6 +84,9 @@ def make_inputs(spec: dict, device: str = "cpu", seed: int = 0) -> dict:
         down_EHF=torch.randn(e, h, f, generator=gen) * f**-0.5,
         residual_TH=torch.randn(t, h, generator=gen),
     )
+    if s.get("strided_h"):  # column-major router weights and residual too (the combine reads them by strides)
+        inputs["weights_TK"] = inputs["weights_TK"].t().contiguous().t()
+        inputs["residual_TH"] = inputs["residual_TH"].t().contiguous().t()
     return {
         name: x.to(device=device, dtype=dtype)
         if x.is_floating_point() and name != "weights_TK"
@@ -287,7 +290,7 @@ KERNEL_CASES = {
     "one-token-prefill": dict(T=1, num_decode=0),
     "odd-h37-f21-small-blocks": dict(T=20, num_decode=7, H=37, F=21, blocks=SMALL_BLOCKS),
     "odd-h50-f60-one-block": dict(T=20, num_decode=7, H=50, F=60),
-    "strided-h-int32-ids": dict(T=20, num_decode=7, strided_h=True, int32_ids=True, blocks=SMALL_BLOCKS),
+    "strided-inputs-int32-ids": dict(T=20, num_decode=7, strided_h=True, int32_ids=True, blocks=SMALL_BLOCKS),
     "bf16-mixed": dict(T=24, num_decode=9, E=8, K=3, dtype="bfloat16", blocks=SMALL_BLOCKS),
 }
 GRIDS = (None, 1, 5)  # the default grid, one program walking every tile, an odd count
