@@ -1,7 +1,7 @@
 """Kernel-level alternatives for one decode step of a Qwen3-30B-A3B-shaped layer (what the engine should use).
 
     python bench/rollout_kernels.py --json bench/out/rollout_kernels.json   # H200
-    python bench/rollout_kernels.py --tiny --device cpu                     # smoke run of every variant
+    python bench/rollout_kernels.py --tiny                                  # CPU smoke run of every variant
 
 Each variant is captured `--inner` times in one CUDA graph (so launch overhead is what a replayed decode graph
 pays), replayed `--repeats` times, timed with CUDA events; the table shows the median per call in microseconds
@@ -12,7 +12,13 @@ and, for bandwidth-bound ops, the fraction of `--bandwidth` that its bytes imply
 - sort: stable sort of the B*K expert ids as int64 / int32 / int16 keys (+ searchsorted for the group offsets).
 - attention: masked SDPA over [B, M, S, D] views of a contiguous cache vs FlashAttention-2 varlen with
   seqused_k, per q head or with the G q heads of a kv head folded into the query length, vs the engine's Triton
-  paged decode kernel (the same keys in shuffled blocks of 16 positions, split-K as the engine picks it).
+  paged decode kernel (the same keys in shuffled blocks of 16 positions, split-K as the engine picks it), with
+  its default key tile and with each of `--key-tiles` keys per loop step (tiles spanning cache blocks).
+- prefill attention (once): one chunk of `--prefill-chunk` tokens of a sequence with `--prefill-context`
+  positions cached before it, causal: FlashAttention-2 varlen over a contiguous cache (SDPA with the same mask
+  off CUDA) vs the engine's Triton prefill kernel over shuffled blocks of 16 (CUDA, or `--tiny` under Triton's
+  interpreter), at its default key tile and each of `--key-tiles`; reported with the attention TFLOP/s (4 x
+  chunk x (context + chunk / 2) x heads x head_dim flops) and the largest difference to the first variant.
 - sample: the sampler on [B, V] bf16 logits, with and without the top-k/top-p sort.
 """
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -28,6 +35,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+if "--tiny" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when Triton is imported: before rollout's imports
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -203,6 +213,9 @@ def bench_attention(c, batch, device, dtype, args) -> list[dict]:
     ]
     if device.type == "cuda":
         variants.append(("triton paged (engine)", paged_decode(k_SPMD, v_SPMD, q_BND, pos_B, device)))
+        for tile in args.key_tiles:
+            call = paged_decode(k_SPMD, v_SPMD, q_BND, pos_B, device, key_tile=tile)
+            variants.append((f"triton paged, {tile} keys per step", call))
     rows = []
     for name, fn in variants:
         row = {"section": "attention", "batch": batch, "variant": name}
@@ -215,20 +228,31 @@ def bench_attention(c, batch, device, dtype, args) -> list[dict]:
     return rows
 
 
-def paged_decode(k_SPMD, v_SPMD, q_BND, pos_B, device, block: int = 16):
-    """The engine's decode attention over the same keys laid out in blocks of `block` positions, block ids
-    shuffled (a cache after many admissions and releases)."""
-    from rollout.paged_attention import AttentionBatch, decode_splits, paged_attention
-
+def shuffled_blocks(k_SPMD, v_SPMD, block: int):
+    """(K, V as flat cache rows, block table [S, ceil(P / block)]): each sequence's positions in blocks of
+    `block`, block ids shuffled (a cache after many admissions and releases); block 0 is the engine's null
+    block."""
     batch, max_len, m, d = k_SPMD.shape
-    per_seq = max_len // block
-    order = torch.randperm(batch * per_seq, device=device) + 1  # block 0 is the engine's null block
+    per_seq = -(-max_len // block)
+    order = torch.randperm(batch * per_seq, device=k_SPMD.device) + 1
     table_RB = order.view(batch, per_seq).to(torch.int32)
-    k_XMD = torch.zeros((batch * per_seq + 1) * block, m, d, device=device, dtype=k_SPMD.dtype)
+    k_XMD = torch.zeros((batch * per_seq + 1) * block, m, d, device=k_SPMD.device, dtype=k_SPMD.dtype)
     v_XMD = torch.zeros_like(k_XMD)
-    rows = (table_RB.long()[:, :, None] * block + torch.arange(block, device=device)).reshape(batch, -1)
+    rows = (table_RB.long()[:, :, None] * block + torch.arange(block, device=k_SPMD.device)).reshape(
+        batch, -1
+    )[:, :max_len]
     k_XMD[rows.reshape(-1)] = k_SPMD.reshape(-1, m, d)
     v_XMD[rows.reshape(-1)] = v_SPMD.reshape(-1, m, d)
+    return k_XMD, v_XMD, table_RB
+
+
+def paged_decode(k_SPMD, v_SPMD, q_BND, pos_B, device, block: int = 16, key_tile: int | None = None):
+    """The engine's decode attention over the same keys in shuffled blocks of `block` positions (`key_tile` keys
+    per loop step; None: the engine's default)."""
+    from rollout.paged_attention import DECODE_KEY_TILE, AttentionBatch, decode_splits, paged_attention_triton
+
+    batch, _, m, d = k_SPMD.shape
+    k_XMD, v_XMD, table_RB = shuffled_blocks(k_SPMD, v_SPMD, block)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     attention = AttentionBatch(
         seq_T=torch.arange(batch, device=device, dtype=torch.int32),
@@ -238,7 +262,81 @@ def paged_decode(k_SPMD, v_SPMD, q_BND, pos_B, device, block: int = 16):
         tile_len_Q=torch.zeros(0, device=device, dtype=torch.int32),
         num_splits=decode_splits(batch, m, sms),
     )
-    return lambda: paged_attention(q_BND, k_XMD, v_XMD, table_RB, attention, block, d**-0.5)
+    tile = DECODE_KEY_TILE if key_tile is None else key_tile
+    return lambda: paged_attention_triton(
+        q_BND, k_XMD, v_XMD, table_RB, attention, block, d**-0.5, decode_key_tile=tile
+    )
+
+
+def bench_prefill_attention(c, device, dtype, args) -> list[dict]:
+    """One causal chunk after a cached context: FlashAttention-2 over a contiguous cache vs the Triton prefill
+    kernel over shuffled blocks of 16 (default key tile and --key-tiles)."""
+    from rollout.paged_attention import (
+        PREFILL_KEY_TILE,
+        AttentionBatch,
+        paged_attention_triton,
+        prefill_tile_tokens,
+        prefill_tiles,
+    )
+
+    n, m, d = c["heads"], c["kv_heads"], c["head_dim"]
+    chunk, context = args.prefill_chunk, args.prefill_context
+    total = context + chunk
+    k_SPMD = torch.randn(1, total, m, d, device=device, dtype=dtype)
+    v_SPMD = torch.randn_like(k_SPMD)
+    q_TND = torch.randn(chunk, n, d, device=device, dtype=dtype)
+    cu_q = torch.tensor([0, chunk], device=device, dtype=torch.int32)
+    cu_k = torch.tensor([0, total], device=device, dtype=torch.int32)
+
+    def flash():
+        return torch.ops.aten._flash_attention_forward(
+            q_TND, k_SPMD[0], v_SPMD[0], cu_q, cu_k, chunk, total, 0.0, True, False, scale=d**-0.5
+        )[0]
+
+    def sdpa():  # the same attention off CUDA: query i sees keys 0..context + i
+        seen_TS = (
+            torch.arange(total, device=device)[None] <= context + torch.arange(chunk, device=device)[:, None]
+        )
+        k_NSD, v_NSD = (x[0].repeat_interleave(n // m, 1).transpose(0, 1) for x in (k_SPMD, v_SPMD))
+        out_NTD = F.scaled_dot_product_attention(
+            q_TND.transpose(0, 1), k_NSD, v_NSD, attn_mask=seen_TS, scale=d**-0.5
+        )
+        return out_NTD.transpose(0, 1)
+
+    block = 16
+    k_XMD, v_XMD, table_RB = shuffled_blocks(k_SPMD, v_SPMD, block)
+    starts, lengths = prefill_tiles([(0, chunk)], prefill_tile_tokens(n, m))
+    ints = lambda xs: torch.tensor(xs, device=device, dtype=torch.int32)  # noqa: E731
+    attention = AttentionBatch(
+        seq_T=torch.zeros(chunk, device=device, dtype=torch.int32),
+        pos_T=torch.arange(context, total, device=device, dtype=torch.int32),
+        num_decode=0,
+        tile_start_Q=ints(starts),
+        tile_len_Q=ints(lengths),
+        num_splits=1,
+    )
+
+    def paged(tile):
+        return lambda: paged_attention_triton(
+            q_TND, k_XMD, v_XMD, table_RB, attention, block, d**-0.5, prefill_key_tile=tile
+        )
+
+    first = ("flash varlen causal (contiguous)", flash) if device.type == "cuda" else ("sdpa masked", sdpa)
+    want = first[1]().float()
+    flops = 4 * chunk * (context + chunk / 2) * n * d
+    variants = [first, ("triton paged (engine)", paged(PREFILL_KEY_TILE))]
+    variants += [(f"triton paged, {t} keys per step", paged(t)) for t in args.key_tiles]
+    rows = []
+    for name, fn in variants:
+        row = {"section": "prefill attention", "batch": chunk, "context": context, "variant": name}
+        try:
+            row["max_abs_diff"] = float((fn().float() - want).abs().max())
+            row["us"] = timed(fn, device, max(1, args.inner // 16), args.repeats)
+            row["tflops"] = flops / (row["us"] * 1e-6) / 1e12
+        except Exception as err:
+            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        rows.append(row)
+    return rows
 
 
 def bench_sample(c, batch, device, dtype, args) -> list[dict]:
@@ -269,9 +367,16 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=256)
     ap.add_argument("--inner", type=int, default=48, help="calls per captured graph")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument(
+        "--key-tiles", type=int_list, default=[32, 64, 128], help="Triton attention keys per step"
+    )
+    ap.add_argument("--prefill-chunk", type=int, default=2048, help="prefill attention: tokens of the chunk")
+    ap.add_argument("--prefill-context", type=int, default=8192, help="... and positions cached before it")
     add_bandwidth_arg(ap)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--json", default="bench/out/rollout_kernels.json")
+    if ap.parse_known_args()[0].tiny:  # the interpreter runs the Triton variants: a few tokens only
+        ap.set_defaults(prefill_chunk=20, prefill_context=40, key_tiles=[32, 64])
     args = ap.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     resolve_bandwidth(args, device)
@@ -290,13 +395,18 @@ def main() -> None:
                 except Exception as err:
                     traceback.print_exc()
                     rows.append({"batch": batch, "error": f"{type(err).__name__}: {err}"})
+        if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+            rows += bench_prefill_attention(c, device, dtype, args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(
         json.dumps({"args": vars(args), "torch": torch.__version__, "rows": rows}, indent=2)
     )
-    print("| section | batch | variant | us | of bandwidth | max abs diff |\n|---|---|---|---|---|---|")
+    print(
+        "| section | batch | variant | us | of bandwidth (TFLOP/s) | max abs diff |\n|---|---|---|---|---|---|"
+    )
     for r in rows:
         bw = f"{100 * r['bw_fraction']:.0f}%" if "bw_fraction" in r else "-"
+        bw = f"{r['tflops']:.0f} TFLOP/s" if "tflops" in r else bw
         us = f"{r['us']:.1f}" if "us" in r else r.get("error", "")[:80]
         diff = f"{r['max_abs_diff']:.2g}" if "max_abs_diff" in r else "-"
         print(f"| {r.get('section', '-')} | {r['batch']} | {r.get('variant', '-')} | {us} | {bw} | {diff} |")

@@ -62,6 +62,12 @@ PREFILL_ROWS = 128  # query rows (tokens x G heads) of one prefill program: one 
 # reduced) and of the prefill kernel (a [128, 128] fp32 accumulator wants 8 warps' registers).
 DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}
 PREFILL_LAUNCH = {"num_stages": 2}
+# Keys per loop step (None: one cache block's, 16 at the paged engine's blocks of 16): a step's dot has this many
+# columns, and the prefill kernel's [128 x D] x [D x 16] dot is far below what the tensor cores want. Larger tiles
+# span cache blocks (one block-table entry per key); bench/rollout_kernels.py --key-tiles measures them. Unset until
+# a GPU run shows which is faster.
+DECODE_KEY_TILE: int | None = None
+PREFILL_KEY_TILE: int | None = None
 
 
 @dataclass(frozen=True)
@@ -204,6 +210,19 @@ if triton is not None:
         return tl.dot(a, b, input_precision=PRECISION)
 
     @triton.jit
+    def _key_rows(table_row, start, offs_n, hi, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Flat cache rows of keys start + offs_n (start a multiple of BLOCK_N): one block-table entry when the
+        tile lies in one cache block (BLOCK_N divides BLOCK_SIZE), else one per key (a tile over several blocks;
+        keys >= hi read the null block's entry 0, and their loads are masked)."""
+        if BLOCK_SIZE % BLOCK_N == 0:
+            block = tl.load(table_row + start // BLOCK_SIZE).to(tl.int64)
+            return block * BLOCK_SIZE + (start % BLOCK_SIZE) + offs_n
+        else:
+            key_N = start + offs_n
+            block_N = tl.load(table_row + key_N // BLOCK_SIZE, mask=key_N < hi, other=0).to(tl.int64)
+            return block_N * BLOCK_SIZE + key_N % BLOCK_SIZE
+
+    @triton.jit
     def _decode_kernel(
         q_ptr,
         k_ptr,
@@ -258,7 +277,7 @@ if triton is not None:
             lo = 0
             hi = num_keys
         else:
-            # chunks are whole BLOCK_N tiles, so no tile crosses a cache block (BLOCK_N divides BLOCK_SIZE)
+            # chunks are whole BLOCK_N tiles: a tile starts at a multiple of BLOCK_N (see _key_rows)
             chunk = tl.cdiv(tl.cdiv(num_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
             lo = split * chunk
             hi = tl.minimum(lo + chunk, num_keys)
@@ -270,8 +289,7 @@ if triton is not None:
         k_head = k_ptr + kv_head * stride_km
         v_head = v_ptr + kv_head * stride_vm
         for start in range(lo, hi, BLOCK_N):
-            block = tl.load(table_row + start // BLOCK_SIZE).to(tl.int64)
-            row_N = block * BLOCK_SIZE + (start % BLOCK_SIZE) + offs_n
+            row_N = _key_rows(table_row, start, offs_n, hi, BLOCK_SIZE, BLOCK_N)
             key_ok = start + offs_n < hi
             kv_mask = key_ok[:, None] & d_ok[None, :]
             k_ND = tl.load(k_head + row_N[:, None] * stride_kx + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -399,8 +417,7 @@ if triton is not None:
         k_head = k_ptr + kv_head * stride_km
         v_head = v_ptr + kv_head * stride_vm
         for start in range(0, hi, BLOCK_N):
-            block = tl.load(table_row + start // BLOCK_SIZE).to(tl.int64)
-            row_N = block * BLOCK_SIZE + (start % BLOCK_SIZE) + offs_n
+            row_N = _key_rows(table_row, start, offs_n, hi, BLOCK_SIZE, BLOCK_N)
             key_N = start + offs_n
             kv_mask = (key_N < hi)[:, None] & d_ok[None, :]
             k_ND = tl.load(k_head + row_N[:, None] * stride_kx + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -426,11 +443,16 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
-def _key_tile(block_size: int) -> int:
-    """BLOCK_N: the largest of 64 / 32 / 16 dividing block_size, so a key tile never crosses a cache block."""
+def _key_tile(block_size: int, key_tile: int | None) -> int:
+    """BLOCK_N, the keys of one loop step: `key_tile` (a power of two in [16, 256]; it may span cache blocks),
+    or by default the largest of 64 / 32 / 16 dividing block_size (one cache block per step)."""
     if block_size <= 0 or block_size % 16:
         raise ValueError(f"block_size must be a positive multiple of 16, got {block_size}")
-    return next(n for n in (64, 32, 16) if block_size % n == 0)
+    if key_tile is None:
+        return next(n for n in (64, 32, 16) if block_size % n == 0)
+    if key_tile not in (16, 32, 64, 128, 256):
+        raise ValueError(f"key tiles must be a power of two in [16, 256], got {key_tile}")
+    return key_tile
 
 
 def paged_attention_triton(
@@ -441,9 +463,13 @@ def paged_attention_triton(
     batch: AttentionBatch,
     block_size: int,
     scale: float,
+    *,
+    decode_key_tile: int | None = DECODE_KEY_TILE,
+    prefill_key_tile: int | None = PREFILL_KEY_TILE,
 ) -> torch.Tensor:
     """The Triton kernels (CUDA tensors; CPU tensors under TRITON_INTERPRET=1). No host synchronisation: grids
-    come from shapes and Python ints only, lengths are read on the device."""
+    come from shapes and Python ints only, lengths are read on the device. decode_key_tile / prefill_key_tile:
+    keys per loop step of each kernel (None: one cache block's, see _key_tile)."""
     if triton is None:
         raise RuntimeError("paged_attention_triton needs Triton")
     t, n, d = q_TND.shape
@@ -458,7 +484,7 @@ def paged_attention_triton(
             "AttentionBatch: seq_T, pos_T, tile_start_Q and tile_len_Q must be contiguous vectors"
         )
     g = n // m
-    block_n = _key_tile(block_size)
+    decode_n, prefill_n = _key_tile(block_size, decode_key_tile), _key_tile(block_size, prefill_key_tile)
     block_d = max(16, _next_pow2(d))
     # CPU tensors run only under the interpreter, whose dot is wrong for bf16: widen its operands there
     upcast = q_TND.device.type == "cpu"
@@ -511,7 +537,7 @@ def paged_attention_triton(
             NUM_SPLITS=splits,
             BLOCK_G=max(16, _next_pow2(g)),
             BLOCK_D=block_d,
-            BLOCK_N=block_n,
+            BLOCK_N=decode_n,
             PRECISION=precision,
             UPCAST=upcast,
             **DECODE_LAUNCH,
@@ -553,7 +579,7 @@ def paged_attention_triton(
             BLOCK_SIZE=block_size,
             BLOCK_M=block_m,
             BLOCK_D=block_d,
-            BLOCK_N=block_n,
+            BLOCK_N=prefill_n,
             PRECISION=precision,
             UPCAST=upcast,
             num_warps=8 if block_m * block_d >= 128 * 128 else 4,

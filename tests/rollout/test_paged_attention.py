@@ -13,6 +13,7 @@ came out 0.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -215,7 +216,26 @@ INTERPRETED = {
     "bf16-g4-d24-splits4-tile4-padding": dict(
         INTERP_BASE, G=4, D=24, dtype=torch.bfloat16, num_splits=4, tile=4, pad_decode=1, pad_tiles=2
     ),
+    # key tiles over several cache blocks of 16 (one block-table entry per key), past the last key too
+    "fp32-g4-d24-splits3-keys32-64": dict(INTERP_BASE, G=4, D=24, num_splits=3, key_tiles=(32, 64)),
+    "bf16-g2-d16-splits1-keys64-32-padding": dict(
+        INTERP_BASE,
+        G=2,
+        D=16,
+        dtype=torch.bfloat16,
+        num_splits=1,
+        pad_decode=2,
+        pad_tiles=1,
+        key_tiles=(64, 32),
+    ),
 }
+
+
+def key_tile_args(spec: dict) -> tuple[dict, dict]:
+    """(make_case's arguments, paged_attention_triton's key-tile keywords) of a case."""
+    spec = dict(spec)
+    decode, prefill = spec.pop("key_tiles", (None, None))
+    return spec, {"decode_key_tile": decode, "prefill_key_tile": prefill}
 
 
 def _fp32_reference(case: Case) -> torch.Tensor:
@@ -238,8 +258,9 @@ def run_interpreted() -> dict[str, dict]:
     round the softmax weights to bf16 before the P V product, as flash attention does: ~1 ulp more)."""
     results = {}
     for name, spec in INTERPRETED.items():
+        spec, tiles = key_tile_args(spec)
         case = make_case(**spec)
-        got_TND = case.run(paged_attention_triton)
+        got_TND = case.run(functools.partial(paged_attention_triton, **tiles))
         want_TND = _fp32_reference(case)
         got, want = got_TND[case.covered_T].float(), want_TND[case.covered_T].float()
         results[name] = {
@@ -283,11 +304,15 @@ REALISTIC = dict(
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("key_tiles", [(None, None), (64, 128)], ids=["block-keys", "keys64-128"])
 @pytest.mark.parametrize("splits", [1, 8])
 @pytest.mark.parametrize("block_size", [16, 4096], ids=["paged16", "slot4096"])
-def test_compiled_kernels_equal_reference_on_cuda(splits, block_size):
+def test_compiled_kernels_equal_reference_on_cuda(splits, block_size, key_tiles):
     case = make_case(**{**REALISTIC, "block_size": block_size}, num_splits=splits)
-    got_TND = case.run(paged_attention)
+    decode, prefill = key_tiles
+    got_TND = case.run(
+        functools.partial(paged_attention_triton, decode_key_tile=decode, prefill_key_tile=prefill)
+    )
     assert got_TND.dtype == torch.bfloat16
     torch.testing.assert_close(got_TND.float(), _fp32_reference(case), atol=2e-2, rtol=0)
 
