@@ -180,11 +180,16 @@ def build_tiles(
     num_experts: int,
     block_m_decode: int = BLOCK_M_DECODE,
     block_m_prefill: int = BLOCK_M_PREFILL,
+    *,
+    kernel: bool | None = None,
 ) -> TileTable:
     """The tile table of a step whose first `num_decode` tokens decode: per phase p and expert e the pair count
     m_(p,e), x_moe(p) = sum_e ceil(m_(p,e) / M_p) tiles, decode tiles first, each tile's (expert, first sorted
-    position, rows) from the prefix sums c_g. Torch ops only, no host synchronisation; Q = `max_tiles(...)`.
-    Expert ids must lie in [0, num_experts) (not checked: that would read the device)."""
+    position, rows) from the prefix sums c_g. No host synchronisation; Q = `max_tiles(...)`. After the stable
+    sort, one Triton launch (`_tile_table_kernel`) builds the table where Triton runs on the device (kernel=None)
+    or kernel=True, else ~30 small torch ops (`_table_by_torch`, the same table: tested); on a GPU each of those
+    is a kernel of a few microseconds, a tenth of a decode pass. Expert ids must lie in [0, num_experts) (not
+    checked: that would read the device)."""
     if ids_TK.dim() != 2 or ids_TK.dtype.is_floating_point or ids_TK.dtype == torch.bool:
         raise ValueError(
             f"ids_TK must be a [T, K] tensor of integer expert ids, got {ids_TK.dtype} {tuple(ids_TK.shape)}"
@@ -202,8 +207,20 @@ def build_tiles(
     key_R = ids_TK.reshape(-1).to(key_dtype, copy=True)
     key_R[num_decode * k :] += e
     sorted_R, order_R = torch.sort(key_R, stable=True)
+    blocks = (block_m_decode, block_m_prefill)
+    use_kernel = (triton_runs_on(device) if kernel is None else kernel) and key_R.numel() > 0
+    table = (_table_by_kernel if use_kernel else _table_by_torch)(sorted_R, e, q, blocks)
+    return TileTable(order_R, *table, num_decode, k, block_m_decode, block_m_prefill)
+
+
+def _table_by_torch(
+    sorted_R: torch.Tensor, e: int, q: int, blocks: tuple[int, int]
+) -> tuple[torch.Tensor, ...]:
+    """(counts_2E, expert_Q, start_Q, rows_Q, ends_2) from the sorted keys, in torch ops."""
+    block_m_decode, block_m_prefill = blocks
+    g, device = 2 * e, sorted_R.device
     ends_G = torch.searchsorted(
-        sorted_R, torch.arange(g, device=device, dtype=key_dtype), right=True, out_int32=True
+        sorted_R, torch.arange(g, device=device, dtype=sorted_R.dtype), right=True, out_int32=True
     )
     counts_G = torch.diff(ends_G, prepend=ends_G.new_zeros(1))
     block_G = torch.full((g,), block_m_prefill, dtype=torch.int32, device=device)
@@ -219,18 +236,32 @@ def build_tiles(
     start_Q = (ends_G - counts_G)[group_Q] + local_Q * block_Q
     rows_Q = torch.minimum(counts_G[group_Q] - local_Q * block_Q, block_Q)
     zero = torch.zeros((), dtype=torch.int32, device=device)
-    return TileTable(
-        order_R=order_R,
-        counts_2E=counts_G.view(2, e),
-        expert_Q=torch.where(used_Q, group_Q % e, 0).to(torch.int32),
-        start_Q=torch.where(used_Q, start_Q, zero),
-        rows_Q=torch.where(used_Q, rows_Q, zero),
-        ends_2=torch.stack((tile_ends_G[e - 1], tile_ends_G[g - 1])),
-        num_decode=num_decode,
-        top_k=k,
-        block_m_decode=block_m_decode,
-        block_m_prefill=block_m_prefill,
+    return (
+        counts_G.view(2, e),
+        torch.where(used_Q, group_Q % e, 0).to(torch.int32),
+        torch.where(used_Q, start_Q, zero),
+        torch.where(used_Q, rows_Q, zero),
+        torch.stack((tile_ends_G[e - 1], tile_ends_G[g - 1])),
     )
+
+
+TABLE_BLOCK_Q = 32  # tiles per program of the table kernel ([32, 2E] comparisons in registers)
+
+
+def _table_by_kernel(
+    sorted_R: torch.Tensor, e: int, q: int, blocks: tuple[int, int]
+) -> tuple[torch.Tensor, ...]:
+    """(counts_2E, expert_Q, start_Q, rows_Q, ends_2) from the sorted keys, in one launch of
+    `_tile_table_kernel` (R >= 1)."""
+    r, device = sorted_R.numel(), sorted_R.device
+    counts_2E = torch.empty((2, e), dtype=torch.int32, device=device)
+    expert_Q, start_Q, rows_Q = (torch.empty(q, dtype=torch.int32, device=device) for _ in range(3))
+    ends_2 = torch.empty(2, dtype=torch.int32, device=device)
+    _tile_table_kernel[(triton.cdiv(q, TABLE_BLOCK_Q),)](
+        sorted_R, r, e, q, *blocks, counts_2E, expert_Q, start_Q, rows_Q, ends_2,
+        BLOCK_G=triton.next_power_of_2(2 * e), BLOCK_Q=TABLE_BLOCK_Q, STEPS=r.bit_length(),
+    )  # fmt: skip
+    return counts_2E, expert_Q, start_Q, rows_Q, ends_2
 
 
 def tile_counts(tiles: TileTable) -> torch.Tensor:
@@ -241,6 +272,66 @@ def tile_counts(tiles: TileTable) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------- kernels
 if triton is not None:
     from rollout.paged_attention import dot_fp32  # a @ b in fp32, also right under the interpreter
+
+    @triton.jit
+    def _upper_bound(sorted_ptr, R, value_G, STEPS: tl.constexpr):
+        """Per lane, #{r < R : sorted[r] <= value} (sorted ascending): a binary search of STEPS = bit_length(R)
+        halvings, each lane's [lo, hi) shrinking to one point."""
+        lo = tl.zeros_like(value_G)
+        hi = lo + R
+        for _ in tl.static_range(STEPS):
+            active = lo < hi
+            mid = (lo + hi) // 2
+            right = tl.load(sorted_ptr + mid, mask=active, other=0) <= value_G
+            lo = tl.where(active & right, mid + 1, lo)
+            hi = tl.where(active & ~right, mid, hi)
+        return lo
+
+    @triton.jit
+    def _tile_table_kernel(
+        sorted_ptr,
+        R,
+        E,
+        Q,
+        BLOCK_M_DECODE,
+        BLOCK_M_PREFILL,
+        counts_ptr,
+        expert_ptr,
+        start_ptr,
+        rows_ptr,
+        ends_ptr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        STEPS: tl.constexpr,
+    ):
+        """The tile table from the sorted keys (module docstring): every program finds the groups' sorted
+        ranges [s_g, s_g + m_g) by binary search and their tile prefix sums c_g, then fills BLOCK_Q entries q
+        (group g: c_(g-1) <= q < c_g; unused entries 0); program 0 also stores m and (c_(E-1), c_(2E-1))."""
+        g_G = tl.arange(0, BLOCK_G)
+        g_ok = g_G < 2 * E
+        start_G = _upper_bound(sorted_ptr, R, g_G - 1, STEPS)
+        count_G = tl.where(g_ok, _upper_bound(sorted_ptr, R, g_G, STEPS) - start_G, 0)
+        block_G = tl.where(g_G < E, BLOCK_M_DECODE, BLOCK_M_PREFILL)
+        tiles_G = (count_G + block_G - 1) // block_G
+        tile_end_G = tl.cumsum(tiles_G, 0)
+        tile_start_G = tile_end_G - tiles_G
+        if tl.program_id(0) == 0:
+            tl.store(counts_ptr + g_G, count_G, mask=g_ok)
+            tl.store(ends_ptr, tl.sum(tl.where(g_G == E - 1, tile_end_G, 0), 0))
+            tl.store(ends_ptr + 1, tl.sum(tl.where(g_G == 2 * E - 1, tile_end_G, 0), 0))
+        q_Q = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        # at most one group holds q (groups without tiles hold none): sums over the row pick its values
+        in_QG = (tile_start_G[None, :] <= q_Q[:, None]) & (q_Q[:, None] < tile_end_G[None, :])
+        used_Q = tl.sum(in_QG.to(tl.int32), 1) > 0
+        group_Q = tl.sum(tl.where(in_QG, g_G[None, :], 0), 1)
+        block_Q = tl.where(group_Q < E, BLOCK_M_DECODE, BLOCK_M_PREFILL)
+        local_Q = q_Q - tl.sum(tl.where(in_QG, tile_start_G[None, :], 0), 1)
+        first_Q = tl.sum(tl.where(in_QG, start_G[None, :], 0), 1) + local_Q * block_Q
+        rows_Q = tl.minimum(tl.sum(tl.where(in_QG, count_G[None, :], 0), 1) - local_Q * block_Q, block_Q)
+        q_ok = q_Q < Q
+        tl.store(expert_ptr + q_Q, tl.where(used_Q, group_Q % E, 0), mask=q_ok)
+        tl.store(start_ptr + q_Q, tl.where(used_Q, first_Q, 0), mask=q_ok)
+        tl.store(rows_ptr + q_Q, tl.where(used_Q, rows_Q, 0), mask=q_ok)
 
     @triton.jit
     def _item_runs(w, dec_items, stopped, done_ptr, TRACK: tl.constexpr):

@@ -432,8 +432,32 @@ def flag_cleared_between_phases(spec: dict, device: str) -> dict:
     return out
 
 
+# the tables of test_tile_table (checked against numpy there) and Qwen3-30B-A3B's 128 experts top-8
+KERNEL_TABLE_CASES = {
+    **TABLE_CASES,
+    "qwen3-decode": (dict(T=128, num_decode=128, E=128, K=8), (16, 128)),
+    "qwen3-mixed": (dict(T=300, num_decode=40, E=128, K=8), (16, 128)),
+    "qwen3-hot-prefill": (dict(T=200, num_decode=0, E=128, K=8, routing="hot"), (16, 128)),
+    "qwen3-one-token-prefill": (dict(T=1, num_decode=0, E=128, K=8), (16, 128)),
+}
+
+
+def table_case(spec: dict, block_m: tuple[int, int], device: str) -> dict:
+    """The tile table from the Triton kernel against the torch ops, field by field."""
+    s, nd, _ = spec_of(spec)
+    ids_TK = make_inputs(spec, device)["ids_TK"]
+    by_kernel, by_torch = (build_tiles(ids_TK, nd, s["E"], *block_m, kernel=k) for k in (True, False))
+    fields = ("order_R", "counts_2E", "expert_Q", "start_Q", "rows_Q", "ends_2")
+    return {
+        "same": {f: torch.equal(getattr(by_kernel, f), getattr(by_torch, f)) for f in fields},
+        "tiles": int(by_torch.ends_2[1]),
+    }
+
+
 def run_all(device: str) -> dict[str, dict]:
     results = {f"kernel/{name}": kernel_case(spec, device) for name, spec in KERNEL_CASES.items()}
+    for name, (spec, block_m) in KERNEL_TABLE_CASES.items():
+        results[f"table/{name}"] = table_case(spec, block_m, device)
     if tma_runs_on(device):
         for name, spec in KERNEL_CASES.items():
             if tma_fits(spec):
@@ -511,6 +535,16 @@ def test_interpreted_preempt_mid_launch_then_resume(interpreted, name):
     check_flag_cleared(interpreted[f"flag-cleared/{name}"], exact=True)
 
 
+def check_table(results: dict) -> None:
+    for name in KERNEL_TABLE_CASES:
+        result = results[f"table/{name}"]
+        assert all(result["same"].values()) and result["tiles"] > 0, (name, result)
+
+
+def test_interpreted_tile_table_kernel_equals_the_torch_ops(interpreted):
+    check_table(interpreted)
+
+
 TMA_CASES = [name for name, spec in KERNEL_CASES.items() if tma_fits(spec)]
 
 
@@ -556,6 +590,7 @@ def test_compiled_cases_on_cuda():
     for name in ("mixed", "mixed-default-blocks"):
         check_preempt_mid(results[f"preempt-mid/{name}"], exact=False)
         check_flag_cleared(results[f"flag-cleared/{name}"], exact=False)
+    check_table(results)
     if tma_runs_on("cuda"):
         check_tma(results, exact=False)
 
