@@ -12,8 +12,9 @@ and, for bandwidth-bound ops, the fraction of `--bandwidth` that its bytes imply
 - sort: stable sort of the B*K expert ids as int64 / int32 / int16 keys (+ searchsorted for the group offsets).
 - attention: masked SDPA over [B, M, S, D] views of a contiguous cache vs FlashAttention-2 varlen with
   seqused_k, per q head or with the G q heads of a kv head folded into the query length, vs the engine's Triton
-  paged decode kernel (the same keys in shuffled blocks of 16 positions, split-K as the engine picks it), with
-  its default key tile and with each of `--key-tiles` keys per loop step (tiles spanning cache blocks).
+  paged decode kernel (the same keys in shuffled blocks of 16 positions, split-K as the engine picks it), and
+  the kernel at its default key tile and each of `--key-tiles` keys per loop step (tiles spanning cache
+  blocks), each with split-K sized for each of `--split-waves` waves of programs.
 - prefill attention (once): one chunk of `--prefill-chunk` tokens of a sequence with `--prefill-context`
   positions cached before it, causal: FlashAttention-2 varlen over a contiguous cache (SDPA with the same mask
   off CUDA) vs the engine's Triton prefill kernel over shuffled blocks of 16 (CUDA, or `--tiny` under Triton's
@@ -211,11 +212,13 @@ def bench_attention(c, batch, device, dtype, args) -> list[dict]:
         ("flash varlen seqused_k", flash),
         ("flash varlen GQA folded", flash_folded),
     ]
-    if device.type == "cuda":
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         variants.append(("triton paged (engine)", paged_decode(k_SPMD, v_SPMD, q_BND, pos_B, device)))
-        for tile in args.key_tiles:
-            call = paged_decode(k_SPMD, v_SPMD, q_BND, pos_B, device, key_tile=tile)
-            variants.append((f"triton paged, {tile} keys per step", call))
+        for tile in [None, *args.key_tiles]:
+            for waves in args.split_waves:
+                call = paged_decode(k_SPMD, v_SPMD, q_BND, pos_B, device, key_tile=tile, waves=waves)
+                per_step = "block" if tile is None else tile
+                variants.append((f"triton paged, {per_step} keys per step, {waves} waves", call))
     rows = []
     for name, fn in variants:
         row = {"section": "attention", "batch": batch, "variant": name}
@@ -246,21 +249,30 @@ def shuffled_blocks(k_SPMD, v_SPMD, block: int):
     return k_XMD, v_XMD, table_RB
 
 
-def paged_decode(k_SPMD, v_SPMD, q_BND, pos_B, device, block: int = 16, key_tile: int | None = None):
+def paged_decode(
+    k_SPMD,
+    v_SPMD,
+    q_BND,
+    pos_B,
+    device,
+    block: int = 16,
+    key_tile: int | None = None,
+    waves: int | None = None,
+):
     """The engine's decode attention over the same keys in shuffled blocks of `block` positions (`key_tile` keys
-    per loop step; None: the engine's default)."""
+    per loop step, split-K for `waves` waves of programs; None: the engine's defaults)."""
     from rollout.paged_attention import DECODE_KEY_TILE, AttentionBatch, decode_splits, paged_attention_triton
 
     batch, _, m, d = k_SPMD.shape
     k_XMD, v_XMD, table_RB = shuffled_blocks(k_SPMD, v_SPMD, block)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     attention = AttentionBatch(
         seq_T=torch.arange(batch, device=device, dtype=torch.int32),
         pos_T=pos_B.to(torch.int32),
         num_decode=batch,
         tile_start_Q=torch.zeros(0, device=device, dtype=torch.int32),
         tile_len_Q=torch.zeros(0, device=device, dtype=torch.int32),
-        num_splits=decode_splits(batch, m, sms),
+        num_splits=decode_splits(batch, m, sms, waves=waves),
     )
     tile = DECODE_KEY_TILE if key_tile is None else key_tile
     return lambda: paged_attention_triton(
@@ -370,13 +382,18 @@ def main() -> None:
     ap.add_argument(
         "--key-tiles", type=int_list, default=[32, 64, 128], help="Triton attention keys per step"
     )
+    ap.add_argument(
+        "--split-waves", type=int_list, default=[2, 8], help="decode: split-K for this many waves of programs"
+    )
     ap.add_argument("--prefill-chunk", type=int, default=2048, help="prefill attention: tokens of the chunk")
     ap.add_argument("--prefill-context", type=int, default=8192, help="... and positions cached before it")
     add_bandwidth_arg(ap)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--json", default="bench/out/rollout_kernels.json")
     if ap.parse_known_args()[0].tiny:  # the interpreter runs the Triton variants: a few tokens only
-        ap.set_defaults(prefill_chunk=20, prefill_context=40, key_tiles=[32, 64])
+        ap.set_defaults(
+            batches=[8], keys=48, max_model_len=64, prefill_chunk=20, prefill_context=40, key_tiles=[64]
+        )
     args = ap.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     resolve_bandwidth(args, device)

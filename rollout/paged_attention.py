@@ -68,6 +68,7 @@ PREFILL_LAUNCH = {"num_stages": 2}
 # a GPU run shows which is faster.
 DECODE_KEY_TILE: int | None = None
 PREFILL_KEY_TILE: int | None = None
+DECODE_WAVES = 2  # decode programs (rows x kv heads x splits) per SM that decode_splits aims for
 
 
 @dataclass(frozen=True)
@@ -105,14 +106,18 @@ def prefill_tiles(pieces: list[tuple[int, int]], tile: int) -> tuple[list[int], 
     return starts, lengths
 
 
-def decode_splits(num_decode: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
-    """Split-K factor of the decode kernel: programs = num_decode * M * splits should fill ~2 waves of the SMs,
-    splits = min(max_splits, ceil(2 num_sms / (num_decode M))); 1 once num_decode * M alone does. More splits
-    cost a merge pass and empty splits on short contexts, hence the cap."""
+def decode_splits(
+    num_decode: int, num_kv_heads: int, num_sms: int, max_splits: int = 16, waves: int | None = None
+) -> int:
+    """Split-K factor of the decode kernel: programs = num_decode * M * splits should fill `waves` waves of the
+    SMs (DECODE_WAVES by default), splits = min(max_splits, ceil(waves num_sms / (num_decode M))); 1 once
+    num_decode * M alone does. More splits cost a merge pass and empty splits on short contexts, hence the cap;
+    fewer leave each program a long chain of dependent block-table and key loads on long contexts."""
+    waves = DECODE_WAVES if waves is None else waves
     programs = num_decode * num_kv_heads
-    if programs <= 0 or programs >= 2 * num_sms:
+    if programs <= 0 or programs >= waves * num_sms:
         return 1
-    return max(1, min(max_splits, -(-2 * num_sms // programs)))
+    return max(1, min(max_splits, -(-waves * num_sms // programs)))
 
 
 def paged_attention(

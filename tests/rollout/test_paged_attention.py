@@ -197,6 +197,8 @@ def test_tiles_and_splits():
     assert decode_splits(1, 4, 132) == 16  # capped
     assert decode_splits(8, 4, 132) == 9  # ceil(264 / 32)
     assert decode_splits(0, 4, 132) == 1
+    assert decode_splits(64, 4, 132, waves=8) == 5  # ceil(8 * 132 / 256)
+    assert decode_splits(300, 4, 132, waves=8) == 1  # 1200 programs: over 8 waves alone
 
 
 # ------------------------------------------------------------------------------- Triton, interpreted on CPU
