@@ -25,8 +25,9 @@ path's throughput. Configurations that fail to compile (shared memory) are liste
 
 Section `arrival` (CUDA only; section 7.3 of the paper): a prefill pass of `--arrival-prefill` tokens starts on a
 low-priority stream; a decode pass of `--arrival-decode` tokens is launched `--arrival-delay-us` later on a
-high-priority stream. Reported: the decode pass's latency (its launch to its end) and the prefill pass's time,
-each over its time alone:
+high-priority stream. Every pass is a CUDA graph replay, alone or together (the GPU's scheduling is measured,
+not the host's launches). Reported: the decode pass's latency (its launch to its end) and the prefill pass's
+time, each over its time alone:
 - streams: both passes on the grouped path; the GPU's stream priorities are the only scheduling.
 - persistent: the prefill pass is a persistent launch with a preemption flag; the decode pass sets the flag on
   its stream, runs, then the prefill's left tiles are resumed (`persistent_moe_run(resume=...)`). The decode pass
@@ -249,23 +250,26 @@ def section_sweep(layer: Layer, args) -> list[dict]:
 
 
 def section_arrival(layer: Layer, args) -> dict:
-    """Section 7.3: decode latency and prefill time when a decode pass arrives during a prefill pass."""
+    """Section 7.3: decode latency and prefill time when a decode pass arrives during a prefill pass. Every pass
+    is a CUDA graph replay (as the engine runs them), so the GPU's scheduling is measured, not the host's
+    launches: a 128-token persistent pass launched op by op is host-bound (~1.4 ms for ~0.55 ms of GPU work)."""
     if layer.device.type != "cuda":
         return {"skipped": "needs CUDA streams"}
     prefill = layer.inputs(args.arrival_prefill, seed=1)
     decode = layer.inputs(args.arrival_decode, seed=2)
-    low, high = torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-1)
-    alone = {
-        "decode_us": timed_us(lambda: layer.run("grouped", decode, args.arrival_decode), layer.device, 20, 3),
-        "prefill_us": timed_us(lambda: layer.run("grouped", prefill, 0), layer.device, 10, 2),
-        "decode_persistent_us": timed_us(
-            lambda: layer.run("persistent", decode, args.arrival_decode), layer.device, 20, 3
-        ),
-        "prefill_persistent_us": timed_us(lambda: layer.run("persistent", prefill, 0), layer.device, 10, 2),
+    nd = args.arrival_decode
+    passes = {
+        "decode_us": lambda: layer.run("grouped", decode, nd),
+        "prefill_us": lambda: layer.run("grouped", prefill, 0),
+        "decode_persistent_us": lambda: layer.run("persistent", decode, nd),
+        "prefill_persistent_us": lambda: layer.run("persistent", prefill, 0),
     }
+    alone = {name: graph_us(fn, layer.device, args.repeats, args.warmup) for name, fn in passes.items()}
     out = {"alone": alone}
+    streams = (torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-1))  # low, high
     for mode in ("streams", "persistent"):
-        samples = [arrival_once(layer, prefill, decode, low, high, mode, args) for _ in range(args.repeats)]
+        graphs = arrival_graphs(layer, prefill, decode, mode, args)
+        samples = [arrival_once(graphs, streams, args) for _ in range(args.repeats)]
         decode_us = statistics.median(s[0] for s in samples)
         prefill_us = statistics.median(s[1] for s in samples)
         suffix = "_persistent" if mode == "persistent" else ""
@@ -279,33 +283,55 @@ def section_arrival(layer: Layer, args) -> dict:
     return out
 
 
-def arrival_once(
-    layer: Layer, prefill: dict, decode: dict, low, high, mode: str, args
-) -> tuple[float, float]:
-    """(decode latency, prefill completion) in microseconds, both from the prefill's start."""
-    events = {k: torch.cuda.Event(enable_timing=True) for k in ("p0", "p1", "d0", "d1")}
+def arrival_graphs(layer: Layer, prefill: dict, decode: dict, mode: str, args) -> dict:
+    """The replays of one arrival: prefill (a persistent launch with a preemption flag, or the grouped path),
+    decode (flag raised, the pass, flag lowered), and for the persistent mode the resume of the prefill's left
+    tiles (over the buffers the prefill graph captured). Each graph has its own capture stream (`graphed`)."""
+    nd = args.arrival_decode
+    if mode == "streams":
+        return {
+            "prefill": graphed(lambda: layer.run("grouped", prefill, 0), layer.device, eager=False),
+            "decode": graphed(lambda: layer.run("grouped", decode, nd), layer.device, eager=False),
+        }
     flag = torch.zeros(1, dtype=torch.int32, device=layer.device)
+    captured: list[MoeRun] = []
+
+    def prefill_pass() -> None:
+        captured.append(layer.persistent(prefill, 0, preempt_flag=flag))
+
+    def decode_pass() -> None:
+        flag.fill_(1)
+        layer.run("persistent", decode, nd)
+        flag.fill_(0)
+
+    graphs = {"prefill": graphed(prefill_pass, layer.device, eager=False)}
+    run = captured[-1]  # the capture's run: its buffers and done masks are the ones the replays write
+    graphs["prefill"]()  # fills them (flag down: the whole pass), so the resume's warm-up reads a real table
+    torch.cuda.synchronize()
+    graphs["decode"] = graphed(decode_pass, layer.device, eager=False)
+    graphs["resume"] = graphed(lambda: layer.persistent(prefill, 0, resume=run), layer.device, eager=False)
+    return graphs
+
+
+def arrival_once(graphs: dict, streams: tuple, args) -> tuple[float, float]:
+    """(decode latency, prefill completion) in microseconds: the prefill replay starts on the low-priority
+    stream, the decode replay `--arrival-delay-us` later on the high-priority one; the resume (persistent mode)
+    follows both on the low one."""
+    low, high = streams
+    events = {k: torch.cuda.Event(enable_timing=True) for k in ("p0", "p1", "d0", "d1")}
     torch.cuda.synchronize()
     with torch.cuda.stream(low):
         events["p0"].record()
-        if mode == "persistent":
-            run = layer.persistent(prefill, 0, preempt_flag=flag)
-        else:
-            layer.run("grouped", prefill, 0)
+        graphs["prefill"]()
     time.sleep(args.arrival_delay_us * 1e-6)
     with torch.cuda.stream(high):
         events["d0"].record()
-        if mode == "persistent":
-            flag.fill_(1)
-        layer.run("persistent" if mode == "persistent" else "grouped", decode, args.arrival_decode)
+        graphs["decode"]()
         events["d1"].record()
-        if mode == "persistent":
-            flag.fill_(0)
-    if mode == "persistent":
-        low.wait_stream(high)
-        with torch.cuda.stream(low):
-            layer.persistent(prefill, 0, resume=run)
+    low.wait_stream(high)
     with torch.cuda.stream(low):
+        if "resume" in graphs:
+            graphs["resume"]()
         events["p1"].record()
     torch.cuda.synchronize()
     return events["d0"].elapsed_time(events["d1"]) * 1e3, events["p0"].elapsed_time(events["p1"]) * 1e3
