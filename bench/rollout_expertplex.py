@@ -10,8 +10,9 @@ router weights from a softmax over random logits. `--tiny`: hidden 64, 8 experts
 Section `paths`: one layer's experts for decode-only passes (`--decode-tokens`) and prefill-only passes
 (`--prefill-tokens`): grouped (two torch._grouped_mm over the pairs sorted by expert), padded (dense bmm over a
 fixed number of rows per expert plus grouped GEMMs over the overflow, where its rule applies) and persistent
-(rollout.kernels.persistent_moe). Time = median over `--repeats` of CUDA-event time after `--warmup` calls (wall
-time on the CPU); the largest difference to the fp32 reference (`moe_reference`) is reported too.
+(rollout.kernels.persistent_moe). Time = median over `--repeats` of CUDA-event time of one CUDA graph replay
+of the pass (as the engine runs it) after `--warmup` replays (wall time on the CPU); the largest difference to
+the fp32 reference (`moe_reference`) is reported too.
 
 Section `sweep`: the persistent kernel's launch parameters for one decode pass (`--sweep-decode` tokens) and one
 prefill pass (`--sweep-prefill`): programs per SM (`--sweep-programs`: the persistent grid is that many times the
@@ -145,7 +146,7 @@ def section_paths(layer: Layer, args) -> list[dict]:
             try:
                 out = layer.run(path, x, num_decode)
                 row["max_abs_diff"] = float((out.float() - ref).abs().max())
-                row["us"] = timed_us(
+                row["us"] = graph_us(
                     functools.partial(layer.run, path, x, num_decode), layer.device, args.repeats, args.warmup
                 )
             except Exception as err:
