@@ -354,11 +354,12 @@ def main() -> None:
     ap.add_argument("--sections", type=lambda s: s.split(","), default=["paths", "sweep", "arrival"])
     ap.add_argument("--sweep-decode", type=int, default=128)
     ap.add_argument("--sweep-prefill", type=int, default=8192)
-    # the default grid: around session 29's H100 winners, with and without TMA (96 configurations)
+    # the default grid: around session 29's H100 winners, with and without TMA (112 configurations)
     ap.add_argument("--sweep-programs", type=int_list, default=[1, 2])
     blocks = lambda s: [tuple(int(v) for v in b.split(":")) for b in s.split(",")]  # noqa: E731
     ap.add_argument(
-        "--sweep-decode-blocks", type=blocks, default=[(16, 64, 128), (16, 128, 64), (16, 128, 128)],
+        "--sweep-decode-blocks", type=blocks,
+        default=[(16, 64, 128), (16, 128, 64), (16, 128, 128), (32, 128, 64)],
         help="block_m_decode:block_n:block_k,... of the decode pass",
     )  # fmt: skip
     ap.add_argument(
