@@ -213,16 +213,22 @@ def bench_attention(c, batch, device, dtype, args) -> list[dict]:
         ("flash varlen GQA folded", flash_folded),
     ]
     if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        variants.append(("triton paged (engine)", paged_decode(k_SPMD, v_SPMD, q_BND, pos_B, device)))
-        for tile in [None, *args.key_tiles]:
+        from rollout.paged_attention import DECODE_KEY_TILE, DECODE_WAVES
+
+        cache = shuffled_blocks(k_SPMD, v_SPMD, 16)
+        for tile in [DECODE_KEY_TILE, *args.key_tiles]:
             for waves in args.split_waves:
-                call = paged_decode(k_SPMD, v_SPMD, q_BND, pos_B, device, key_tile=tile, waves=waves)
                 per_step = "block" if tile is None else tile
-                variants.append((f"triton paged, {per_step} keys per step, {waves} waves", call))
+                engine = " (engine)" if (tile, waves) == (DECODE_KEY_TILE, DECODE_WAVES) else ""
+                name = f"triton paged, {per_step} keys per step, {waves} waves{engine}"
+                variants.append((name, paged_decode(cache, q_BND, pos_B, device, 16, tile, waves)))
+    want = sdpa().reshape(batch, n, d).float()  # [B, M, G, D]: head m G + g, the engine's order
     rows = []
     for name, fn in variants:
         row = {"section": "attention", "batch": batch, "variant": name}
         try:
+            if name.startswith("triton"):
+                row["max_abs_diff"] = float((fn().float() - want).abs().max())
             us = timed(fn, device, args.inner, args.repeats)
             row.update(us=us, bw_fraction=kv_bytes / (us * 1e-6) / args.bandwidth)
         except Exception as err:
@@ -249,22 +255,13 @@ def shuffled_blocks(k_SPMD, v_SPMD, block: int):
     return k_XMD, v_XMD, table_RB
 
 
-def paged_decode(
-    k_SPMD,
-    v_SPMD,
-    q_BND,
-    pos_B,
-    device,
-    block: int = 16,
-    key_tile: int | None = None,
-    waves: int | None = None,
-):
-    """The engine's decode attention over the same keys in shuffled blocks of `block` positions (`key_tile` keys
-    per loop step, split-K for `waves` waves of programs; None: the engine's defaults)."""
-    from rollout.paged_attention import DECODE_KEY_TILE, AttentionBatch, decode_splits, paged_attention_triton
+def paged_decode(cache: tuple, q_BND, pos_B, device, block: int, key_tile: int | None, waves: int):
+    """The engine's decode attention over `cache` (`shuffled_blocks`' K, V and block table, blocks of `block`
+    positions) with `key_tile` keys per loop step (None: one block's) and split-K for `waves` waves of programs."""
+    from rollout.paged_attention import AttentionBatch, decode_splits, paged_attention_triton
 
-    batch, _, m, d = k_SPMD.shape
-    k_XMD, v_XMD, table_RB = shuffled_blocks(k_SPMD, v_SPMD, block)
+    k_XMD, v_XMD, table_RB = cache
+    batch, m, d = q_BND.shape[0], k_XMD.shape[1], k_XMD.shape[2]
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     attention = AttentionBatch(
         seq_T=torch.arange(batch, device=device, dtype=torch.int32),
@@ -274,9 +271,8 @@ def paged_decode(
         tile_len_Q=torch.zeros(0, device=device, dtype=torch.int32),
         num_splits=decode_splits(batch, m, sms, waves=waves),
     )
-    tile = DECODE_KEY_TILE if key_tile is None else key_tile
     return lambda: paged_attention_triton(
-        q_BND, k_XMD, v_XMD, table_RB, attention, block, d**-0.5, decode_key_tile=tile
+        q_BND, k_XMD, v_XMD, table_RB, attention, block, d**-0.5, decode_key_tile=key_tile
     )
 
 
