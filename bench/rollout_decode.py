@@ -106,6 +106,37 @@ def add_bandwidth_arg(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def add_attention_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--attention",
+        default="",
+        metavar="DECODE:PREFILL:WAVES",
+        help="the engine's attention kernel settings for this run (rollout.paged_attention's DECODE_KEY_TILE, "
+        "PREFILL_KEY_TILE: keys per loop step, 0 for one cache block's; DECODE_WAVES: split-K waves); "
+        "empty: the module's",
+    )
+
+
+def apply_attention(args) -> dict:
+    """Set rollout.paged_attention's kernel settings from --attention (before the engine's first step); returns
+    the settings in force, for the JSON."""
+    from rollout import paged_attention as pa
+
+    if args.attention:
+        try:
+            decode, prefill, waves = (int(x) for x in args.attention.split(":"))
+        except ValueError:
+            raise SystemExit(
+                f"--attention wants DECODE:PREFILL:WAVES (three ints), got {args.attention!r}"
+            ) from None
+        pa.DECODE_KEY_TILE, pa.PREFILL_KEY_TILE, pa.DECODE_WAVES = decode or None, prefill or None, waves
+    return {
+        "decode_key_tile": pa.DECODE_KEY_TILE,
+        "prefill_key_tile": pa.PREFILL_KEY_TILE,
+        "waves": pa.DECODE_WAVES,
+    }
+
+
 def resolve_bandwidth(args, device: torch.device) -> float:
     if args.bandwidth <= 0:
         args.bandwidth = copy_bandwidth(device)
@@ -533,6 +564,7 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: check,engine,hf")
     ap.add_argument("--tiny", action="store_true", help="toy widths (CPU smoke test of the script)")
+    add_attention_arg(ap)
     ap.add_argument("--json", default="bench/out/rollout_decode.json")
     args = ap.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -541,6 +573,7 @@ def main() -> None:
     skip = set(args.skip.split(",")) - {""}
     results: dict = {
         "args": vars(args),
+        "attention": apply_attention(args),
         "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }

@@ -65,7 +65,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_decode import (
     QWEN3_30B_A3B,
     TINY,
+    add_attention_arg,
     add_bandwidth_arg,
+    apply_attention,
     free_memory,
     resolve_bandwidth,
     roofline_parts,
@@ -546,6 +548,7 @@ def main() -> None:
     ap.add_argument(
         "--bin-rows", type=int, default=32, help="decode rows per bin of the step-time comparison"
     )
+    add_attention_arg(ap)
     ap.add_argument("--json", default="bench/out/rollout_long.json")
     if ap.parse_known_args()[0].tiny:  # toy defaults; flags given on the command line still win
         ap.set_defaults(**TINY_ARGS)
@@ -565,6 +568,7 @@ def main() -> None:
     described = {kind: describe(kind, args, spec, element) for kind in ("paged", "slot")}
     results: dict = {
         "args": vars(args),
+        "attention": apply_attention(args),
         "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model": {

@@ -52,7 +52,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rollout_decode import QWEN3_30B_A3B, TINY, free_memory, int_list, sync
+from rollout_decode import (
+    QWEN3_30B_A3B,
+    TINY,
+    add_attention_arg,
+    apply_attention,
+    free_memory,
+    int_list,
+    sync,
+)
 from rollout_long import save, warm_up
 
 from rollout import RolloutEngine, SamplingParams
@@ -249,6 +257,7 @@ def rollout_part(args) -> dict:
     engine = build_engine(args, cfg, device, dtype)
     results: dict = {
         "args": vars(args),
+        "attention": apply_attention(args),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model": {
             k: cfg[k] for k in ("num_hidden_layers", "hidden_size", "num_experts", "num_experts_per_tok")
@@ -521,6 +530,7 @@ def add_rollout_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-step-tokens", type=int, default=2048)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--seed", type=int, default=0)
+    add_attention_arg(ap)
     ap.add_argument("--json", default="bench/out/tppo_vs_ppo_rollout.json")
 
 

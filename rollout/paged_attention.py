@@ -62,10 +62,10 @@ PREFILL_ROWS = 128  # query rows (tokens x G heads) of one prefill program: one 
 # reduced) and of the prefill kernel (a [128, 128] fp32 accumulator wants 8 warps' registers).
 DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}
 PREFILL_LAUNCH = {"num_stages": 2}
-# Keys per loop step (None: one cache block's, 16 at the paged engine's blocks of 16): a step's dot has this many
-# columns, and the prefill kernel's [128 x D] x [D x 16] dot is far below what the tensor cores want. Larger tiles
-# span cache blocks (one block-table entry per key); bench/rollout_kernels.py --key-tiles measures them. Unset until
-# a GPU run shows which is faster.
+# The engine's keys per loop step (None: one cache block's, 16 at the paged engine's blocks of 16): a step's dot has
+# this many columns, and the prefill kernel's [128 x D] x [D x 16] dot is far below what the tensor cores want.
+# Larger tiles span cache blocks (one block-table entry per key); bench/rollout_kernels.py --key-tiles measures the
+# kernels, the engine benches' --attention flag whole steps. Unset until a GPU run shows which is faster.
 DECODE_KEY_TILE: int | None = None
 PREFILL_KEY_TILE: int | None = None
 DECODE_WAVES = 2  # decode programs (rows x kv heads x splits) per SM that decode_splits aims for
@@ -129,9 +129,11 @@ def paged_attention(
     block_size: int,
     scale: float,
 ) -> torch.Tensor:
-    """out_TND (contiguous, q's dtype): the Triton kernels on CUDA when Triton is importable, else the reference."""
+    """out_TND (contiguous, q's dtype): the Triton kernels on CUDA when Triton is importable (with this module's
+    DECODE_KEY_TILE / PREFILL_KEY_TILE, read at each call), else the reference."""
     if q_TND.is_cuda and triton is not None:
-        return paged_attention_triton(q_TND, k_XMD, v_XMD, block_table_RB, batch, block_size, scale)
+        tiles = {"decode_key_tile": DECODE_KEY_TILE, "prefill_key_tile": PREFILL_KEY_TILE}
+        return paged_attention_triton(q_TND, k_XMD, v_XMD, block_table_RB, batch, block_size, scale, **tiles)
     return paged_attention_reference(q_TND, k_XMD, v_XMD, block_table_RB, batch, block_size, scale)
 
 
@@ -469,8 +471,8 @@ def paged_attention_triton(
     block_size: int,
     scale: float,
     *,
-    decode_key_tile: int | None = DECODE_KEY_TILE,
-    prefill_key_tile: int | None = PREFILL_KEY_TILE,
+    decode_key_tile: int | None = None,
+    prefill_key_tile: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernels (CUDA tensors; CPU tensors under TRITON_INTERPRET=1). No host synchronisation: grids
     come from shapes and Python ints only, lengths are read on the device. decode_key_tile / prefill_key_tile:
