@@ -59,7 +59,7 @@ from rollout_decode import QWEN3_30B_A3B, TINY, add_bandwidth_arg, int_list, med
 
 from rollout import RolloutEngine
 from rollout.config import RolloutConfig
-from rollout.kernels.persistent_moe import MoeRun, moe_reference, persistent_moe_run
+from rollout.kernels.persistent_moe import MoeRun, moe_reference, persistent_moe_run, tma_runs_on
 from rollout.model import no_padding, padded_capacity
 
 TINY_MOE = dict(TINY, num_hidden_layers=1, hidden_size=64, num_experts=8, num_experts_per_tok=2)
@@ -189,14 +189,6 @@ def routed_expert_bytes(layer: Layer, ids_TK: torch.Tensor) -> int:
     used = int(torch.unique(ids_TK).numel())
     per_expert = layer.layer.gate_up_EFH[0].numel() + layer.layer.down_EHF[0].numel()
     return used * per_expert * layer.layer.gate_up_EFH.element_size()
-
-
-def tma_capable() -> bool:
-    """A CUDA device of compute capability >= 9.0 (TMA) and Triton's host descriptors."""
-    from rollout.kernels.persistent_moe import TensorDescriptor
-
-    ok = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
-    return ok and TensorDescriptor is not None
 
 
 def sweep_configs(args, phase: str) -> list[dict]:
@@ -369,7 +361,7 @@ def main() -> None:
     ap.add_argument("--sweep-warps", type=int_list, default=[4, 8])
     ap.add_argument("--sweep-stages", type=int_list, default=[3, 4])
     ap.add_argument(
-        "--sweep-tma", type=int_list, default=[0, 1] if tma_capable() else [0],
+        "--sweep-tma", type=int_list, default=[0, 1] if torch.cuda.is_available() and tma_runs_on("cuda") else [0],
         help="weight tiles through TMA descriptors (1) or per-thread loads (0); also adds the paths' persistent_tma",
     )  # fmt: skip
     add_bandwidth_arg(ap)

@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_decode import add_bandwidth_arg, int_list, resolve_bandwidth
 
+from rollout.kernels.persistent_moe import triton_runs_on
 from rollout.sampling import counter_uniform_torch, sample
 
 FULL = dict(hidden=2048, ffn=768, experts=128, top_k=8, heads=32, kv_heads=4, head_dim=128, vocab=151936)
@@ -212,7 +213,7 @@ def bench_attention(c, batch, device, dtype, args) -> list[dict]:
         ("flash varlen seqused_k", flash),
         ("flash varlen GQA folded", flash_folded),
     ]
-    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if triton_runs_on(device):
         from rollout.paged_attention import DECODE_KEY_TILE, DECODE_WAVES
 
         cache = shuffled_blocks(k_SPMD, v_SPMD, 16)
@@ -408,7 +409,7 @@ def main() -> None:
                 except Exception as err:
                     traceback.print_exc()
                     rows.append({"batch": batch, "error": f"{type(err).__name__}: {err}"})
-        if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        if triton_runs_on(device):
             rows += bench_prefill_attention(c, device, dtype, args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(

@@ -83,6 +83,7 @@ __all__ = [
     "persistent_moe",
     "persistent_moe_run",
     "tile_counts",
+    "tma_runs_on",
     "triton_runs_on",
 ]
 
@@ -827,14 +828,22 @@ def _weight_operand(w_EXY: torch.Tensor, run: MoeRun):
     return TensorDescriptor.from_tensor(w_EXY.view(e * x, y), [run.block_n, run.block_k])
 
 
+def tma_runs_on(device: torch.device | str) -> bool:
+    """Whether tma=True can run on `device`: Triton's host descriptors (Triton >= 3.4), and on CUDA a GPU with TMA
+    (compute capability >= 9.0; the interpreter emulates it on the CPU)."""
+    device = torch.device(device)
+    cuda_ok = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+    return TensorDescriptor is not None and cuda_ok
+
+
 def _check_tma(gate_up_EFH: torch.Tensor, down_EHF: torch.Tensor) -> None:
-    """tma=True needs Triton's host descriptors, a device with TMA (sm_90+; any under the interpreter), and
-    contiguous weights whose rows are 16-byte aligned."""
-    if TensorDescriptor is None:
-        raise RuntimeError("tma=True needs triton.tools.tensor_descriptor (Triton >= 3.4)")
+    """tma=True needs `tma_runs_on` the weights' device and contiguous weights whose rows are 16-byte aligned."""
     device = gate_up_EFH.device
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
-        raise ValueError(f"tma=True needs a GPU with TMA (compute capability >= 9.0), got {device}")
+    if not tma_runs_on(device):
+        raise ValueError(
+            f"tma=True needs triton.tools.tensor_descriptor (Triton >= 3.4) and, on CUDA, a GPU with TMA (compute "
+            f"capability >= 9.0); {device} with Triton {getattr(triton, '__version__', 'absent')} has not both"
+        )
     for name, w in (("gate_up_EFH", gate_up_EFH), ("down_EHF", down_EHF)):
         if not w.is_contiguous() or w.data_ptr() % 16 or (w.shape[2] * w.element_size()) % 16:
             raise ValueError(

@@ -37,6 +37,7 @@ from rollout.kernels.persistent_moe import (  # private helpers: the per-phase l
     persistent_moe,
     persistent_moe_run,
     tile_counts,
+    tma_runs_on,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -319,14 +320,6 @@ def tma_fits(spec: dict) -> bool:
     s = {**BASE, **spec}
     size = getattr(torch, s["dtype"]).itemsize
     return (s["H"] * size) % 16 == 0 and (s["F"] * size) % 16 == 0
-
-
-def tma_runs_on(device: str) -> bool:
-    """TMA: Triton's host descriptors, and sm_90+ when compiled (the interpreter emulates it)."""
-    from rollout.kernels.persistent_moe import TensorDescriptor
-
-    cuda_ok = device != "cuda" or torch.cuda.get_device_capability() >= (9, 0)
-    return TensorDescriptor is not None and cuda_ok
 
 
 PREEMPT_CASES = {
