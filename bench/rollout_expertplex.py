@@ -375,15 +375,16 @@ def main() -> None:
         "args": vars(args),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
-    for name, fn in (("paths", section_paths), ("sweep", section_sweep), ("arrival", section_arrival)):
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    # the long sweep last, and the JSON rewritten after every section: a call cut by its time limit keeps the rest
+    for name, fn in (("paths", section_paths), ("arrival", section_arrival), ("sweep", section_sweep)):
         if name in args.sections:
             try:
                 results[name] = fn(layer, args)
             except Exception as err:
                 traceback.print_exc()
                 results[name] = {"error": f"{type(err).__name__}: {err}"}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=2))
+            Path(args.json).write_text(json.dumps(results, indent=2))
     print_tables(results)
 
 

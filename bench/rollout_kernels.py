@@ -367,6 +367,21 @@ def bench_sample(c, batch, device, dtype, args) -> list[dict]:
     return rows
 
 
+def run_section(fn, batch: int, *fn_args) -> list[dict]:
+    """fn(*fn_args)'s rows, or one row naming its error (the other sections still run)."""
+    try:
+        return fn(*fn_args)
+    except Exception as err:
+        traceback.print_exc()
+        return [{"batch": batch, "section": fn.__name__, "error": f"{type(err).__name__}: {err}"}]
+
+
+def write_json(args, rows: list[dict]) -> None:
+    Path(args.json).write_text(
+        json.dumps({"args": vars(args), "torch": torch.__version__, "rows": rows}, indent=2)
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -396,25 +411,17 @@ def main() -> None:
     resolve_bandwidth(args, device)
     c = TINY if args.tiny else FULL
     rows: list[dict] = []
-    with torch.inference_mode():
-        for batch in args.batches:
-            for fn, extra in (
-                (bench_experts, (dtype,)),
-                (bench_sort, ()),
-                (bench_attention, (dtype,)),
-                (bench_sample, (dtype,)),
-            ):
-                try:
-                    rows += fn(c, batch, device, *extra, args)
-                except Exception as err:
-                    traceback.print_exc()
-                    rows.append({"batch": batch, "error": f"{type(err).__name__}: {err}"})
-        if triton_runs_on(device):
-            rows += bench_prefill_attention(c, device, dtype, args)
+    sections = [(fn, batch, extra) for batch in args.batches for fn, extra in (
+        (bench_experts, (dtype,)), (bench_sort, ()), (bench_attention, (dtype,)), (bench_sample, (dtype,))
+    )]  # fmt: skip
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(
-        json.dumps({"args": vars(args), "torch": torch.__version__, "rows": rows}, indent=2)
-    )
+    with torch.inference_mode():
+        for fn, batch, extra in sections:
+            rows += run_section(fn, batch, c, batch, device, *extra, args)
+            write_json(args, rows)  # after every section: a call cut by its time limit keeps what ran
+        if triton_runs_on(device):
+            rows += run_section(bench_prefill_attention, 0, c, device, dtype, args)
+            write_json(args, rows)
     print(
         "| section | batch | variant | us | of bandwidth (TFLOP/s) | max abs diff |\n|---|---|---|---|---|---|"
     )
