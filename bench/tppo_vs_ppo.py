@@ -406,7 +406,18 @@ def curve(rows: list[dict], smooth: int) -> dict:
         "occupancy": [occupancy(r) for r in rows],
         "step_s_mean": total / len(rows),
         "phase_share": {p: sum(r.get(f"perf/{p}_s", 0.0) for r in rows) / total for p in PHASES},
+        # the mechanism: T-PPO gains only where responses finish faster per second, which needs engine steps
+        # whose cost does not grow with their rows (the generation time per token falls as occupancy rises)
+        "finished_per_s": sum(r.get("rollout/finished", 0) for r in rows) / total,
+        "generation_us_per_token": 1e6 * generation_s_per_token(rows),
     }
+
+
+def generation_s_per_token(rows: list[dict]) -> float:
+    """Engine seconds of decode and mixed steps per generated token over the run."""
+    tokens = sum(r.get("rollout/tokens", 0) for r in rows)
+    seconds = sum(r.get("rollout/decode_s", 0.0) + r.get("rollout/mixed_s", 0.0) for r in rows)
+    return seconds / tokens if tokens else math.nan
 
 
 def occupancy(row: dict) -> float:
@@ -449,6 +460,8 @@ def e2e_part(args) -> dict:
             "final_reward": spread([c["reward"][-1] for c in cs]),
             "step_s": spread([c["step_s_mean"] for c in cs]),
             "occupancy": spread([statistics.fmean(c["occupancy"]) for c in cs]),
+            "finished_per_s": spread([c["finished_per_s"] for c in cs]),
+            "generation_us_per_token": spread([c["generation_us_per_token"] for c in cs]),
             "phase_share": {p: statistics.median(c["phase_share"][p] for c in cs) for p in PHASES},
             "curves": cs,
         }
@@ -493,7 +506,8 @@ def print_e2e(results: dict) -> None:
 
     print(
         f"\n| algorithm | time to reward {results['args']['threshold']} (s) | reward at {results['equal_wall_s']:.0f} s "
-        "| final reward | step s | occupancy | rollout / critic / policy / sync share |\n|---|---|---|---|---|---|---|"
+        "| final reward | step s | occupancy | finished / s | generation us / token "
+        "| rollout / critic / policy / sync share |\n|---|---|---|---|---|---|---|---|---|"
     )
     for name, a in results["algos"].items():
         sh = a["phase_share"]
@@ -502,7 +516,8 @@ def print_e2e(results: dict) -> None:
         )
         print(
             f"| {name} | {fmt(a['time_to_threshold_s'])} | {fmt(a['reward_at_equal_wall'])} | "
-            f"{fmt(a['final_reward'])} | {fmt(a['step_s'])} | {fmt(a['occupancy'])} | {shares} |"
+            f"{fmt(a['final_reward'])} | {fmt(a['step_s'])} | {fmt(a['occupancy'])} | {fmt(a['finished_per_s'])} | "
+            f"{fmt(a['generation_us_per_token'])} | {shares} |"
         )
     if "tppo_wmax_vs_ppo_max_reward_diff" in results:
         print(

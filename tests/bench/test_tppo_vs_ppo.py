@@ -113,3 +113,21 @@ def test_e2e_tppo_with_a_whole_window_trains_exactly_like_ppo(tmp_path):
     assert (tmp_path / "plots" / "reward.png").stat().st_size > 0
     for algo in results["algos"].values():
         assert 0 < algo["phase_share"]["rollout"] < 1
+    for name, algo in results["algos"].items():
+        for c, rows in zip(algo["curves"], runs_metrics(tmp_path / "runs", name)):
+            step_s = [r["perf/step_s"] for r in rows]
+            assert c["finished_per_s"] == pytest.approx(
+                sum(r["rollout/finished"] for r in rows) / sum(step_s)
+            )
+            if name != "tppo":  # whole responses: every item of every step finishes
+                assert c["finished_per_s"] * c["step_s_mean"] == pytest.approx(rows[0]["rollout/finished"])
+            rollout_s_per_token = sum(r["perf/rollout_s"] for r in rows) / sum(
+                r["rollout/tokens"] for r in rows
+            )
+            assert (
+                0 < c["generation_us_per_token"] < 1e6 * rollout_s_per_token
+            )  # generation is part of rollout
+
+
+def runs_metrics(root, name: str) -> list[list[dict]]:
+    return [bench.read_metrics(p) for p in sorted(root.glob(f"{name}_s*/metrics.jsonl"))]
