@@ -155,13 +155,15 @@ def _sdpa_over_cache(
     scale: float,
 ) -> torch.Tensor:
     """SDPA of queries [S, N, L, D] over the cache rows [S, K] with a boolean mask [S, L, K] (True = attend).
-    Keys no query keeps are zeroed first: they may be stale memory (NaN), and 0-weight x NaN would still be NaN."""
-    n = q_SNLD.shape[1]
-    g = n // k_XMD.shape[1]
+    Keys no query keeps are zeroed first: they may be stale memory (NaN), and 0-weight x NaN would still be NaN.
+    The N // M query heads of a KV head share it through SDPA's GQA mode: no copy of K/V per query head (that
+    copy was most of a CPU decode step's attention at a few hundred positions)."""
     used_SK1 = keep_SLK.any(dim=1)[..., None, None]
-    k_SNKD = torch.where(used_SK1, k_XMD[rows_SK], 0).permute(0, 2, 1, 3).repeat_interleave(g, dim=1)
-    v_SNKD = torch.where(used_SK1, v_XMD[rows_SK], 0).permute(0, 2, 1, 3).repeat_interleave(g, dim=1)
-    return F.scaled_dot_product_attention(q_SNLD, k_SNKD, v_SNKD, attn_mask=keep_SLK[:, None], scale=scale)
+    k_SMKD = torch.where(used_SK1, k_XMD[rows_SK], 0).transpose(1, 2)
+    v_SMKD = torch.where(used_SK1, v_XMD[rows_SK], 0).transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        q_SNLD, k_SMKD, v_SMKD, attn_mask=keep_SLK[:, None], scale=scale, enable_gqa=True
+    )
 
 
 def paged_attention_reference(
