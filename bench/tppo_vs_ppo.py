@@ -1,6 +1,7 @@
 """T-PPO against synchronous PPO (issue #28): the rollout engine alone, and the training loop end to end.
 
     python bench/tppo_vs_ppo.py rollout --json bench/out/tppo_vs_ppo_rollout.json   # H200, bf16, 16-layer MoE
+    python bench/tppo_vs_ppo.py bound --gpu h200    # the rollout part's schedules at the roofline (CPU, seconds)
     python bench/tppo_vs_ppo.py e2e --json bench/out/tppo_vs_ppo_e2e.json           # 3 algorithms x seeds
     python bench/tppo_vs_ppo.py rollout --tiny        # CPU smoke runs of every code path (toy model, few steps)
     python bench/tppo_vs_ppo.py e2e --tiny
@@ -20,6 +21,13 @@ generated tokens / (decode steps x B) (the fraction of the batch's rows still de
 engine's steps), prefill tokens (re-prefill of continuations included) and seconds per completed response.
 A T-PPO run's completed tokens count only responses that finished within it: work left in flight at the end is
 spent but not counted (the comparison is conservative for T-PPO).
+
+bound: the rollout part's schedules (the same pool, stream and windows, no engine) costed step by step at a GPU
+preset's roofline by the deployment planner's model (rollout/plan): what the hardware allows any engine on one
+GPU, in seconds of CPU. `--variants` makes costs free one at a time to show which takes T-PPO's gain:
+`roofline` (every kernel at its bound), `free_kv` (K/V reads free), `row_free` (K/V free and every expert read
+at every step, so a memory-bound decode step costs the same whatever its rows: T-PPO's premise). Decode steps
+are counted without the engine's chunked-prefill steps (a few more per step on the engine).
 
 e2e: the training loop (`python -m recipes.train`, one subprocess per run, as a user runs it) on the same
 experiment, seeds and learning rates with three algorithms: `tppo` (window `--window`), `ppo` (whole responses,
@@ -43,7 +51,8 @@ import time
 import traceback
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +74,22 @@ from rollout_long import save, warm_up
 
 from rollout import RolloutEngine, SamplingParams
 from rollout.config import RolloutConfig
+from rollout.engine import GenerateStats
+from rollout.model_spec import MoeModelSpec
+from rollout.plan import (
+    GPU_PRESETS,
+    Cluster,
+    GpuSpec,
+    ModelShape,
+    Search,
+    Workload,
+    analytic_times,
+    gpu_preset,
+)
+from rollout.plan.hardware import shape_from_spec
+from rollout.plan.perf import roofline_ms
+from rollout.plan.search import Shape, replica_plan
+from rollout.plan.shared import prefill_attention_ms
 from tppo.algo.pool import Prompt, Sample, SamplePool
 from tppo.algo.stages import request_seed
 
@@ -118,6 +143,7 @@ def target_length(uid: str, seed: int, max_length: int, median_frac: float, sigm
 class StepRecord:
     step: int
     seconds: float
+    prefill_s: float  # of `seconds`, in steps without a decoding row
     batch: int
     continuations: int
     completed: int
@@ -155,6 +181,7 @@ class AlgoRun:
             if decode_steps
             else 0.0,
             "s_per_completed": seconds / completed if completed else float("inf"),
+            "prefill_share": sum(s.prefill_s for s in self.steps) / seconds if seconds else 0.0,
         }
 
 
@@ -171,41 +198,60 @@ def window_params(batch: list[Sample], targets: list[int], args, step: int) -> l
     ]
 
 
-def rollout_step(engine: RolloutEngine, pool: SamplePool, args, step: int) -> tuple[StepRecord, list[Sample]]:
-    """One step of the loop's rollout stage: take, generate one window each, retire what reached its target.
-    Returns the step's record and the retired samples."""
+def take_windows(pool: SamplePool, args, step: int) -> tuple[list[Sample], list[int], list[SamplingParams]]:
+    """The step's batch from the pool, each item's target length and its sampling parameters."""
     batch = pool.take()
     targets = [target_length(s.uid, args.seed, args.max_length, args.median_frac, args.sigma) for s in batch]
-    continuations = sum(s.num_response_tokens > 0 for s in batch)
-    sync(engine.device)
-    t0 = time.perf_counter()
-    outs = engine.generate([s.context_ids.tolist() for s in batch], window_params(batch, targets, args, step))
-    sync(engine.device)
-    seconds = time.perf_counter() - t0
-    for s, t, o in zip(batch, targets, outs):
-        done = s.num_response_tokens + len(o.token_ids) >= t and t < s.max_response_length
-        s.add_window(o.token_ids, o.logprobs, finish_reason="eos" if done else None)
+    return batch, targets, window_params(batch, targets, args, step)
+
+
+def finish_windows(
+    pool: SamplePool, batch: list[Sample], targets: list[int], tokens: list, logprobs: list
+) -> list[Sample]:
+    """Append each item's window, end the items that reached their target; returns the retired samples."""
+    for s, t, ids, lps in zip(batch, targets, tokens, logprobs):
+        done = s.num_response_tokens + len(ids) >= t and t < s.max_response_length
+        s.add_window(ids, lps, finish_reason="eos" if done else None)
         if s.finished:
             s.reward = 0.0
-    retired = pool.put_back(batch).retired
-    st = engine.last_stats
-    record = StepRecord(
+    return pool.put_back(batch).retired
+
+
+def step_record(
+    step: int, seconds: float, batch: int, continuations: int, retired: list[Sample], stats: GenerateStats
+) -> StepRecord:
+    """What one rollout step of `batch` items, `continuations` of them unfinished before it, did."""
+    return StepRecord(
         step=step,
         seconds=seconds,
-        batch=len(batch),
+        prefill_s=stats.prefill_s,
+        batch=batch,
         continuations=continuations,
         completed=len(retired),
         completed_tokens=sum(s.num_response_tokens for s in retired),
-        generated_tokens=st.num_generated_tokens,
-        prefill_tokens=st.num_prefill_tokens,
-        decode_steps=st.num_decode_steps,
-        decode_rows=st.num_decode_rows,
-        preemptions=st.num_preemptions,
-        occupancy=st.num_generated_tokens / (st.num_decode_steps * len(batch))
-        if st.num_decode_steps
+        generated_tokens=stats.num_generated_tokens,
+        prefill_tokens=stats.num_prefill_tokens,
+        decode_steps=stats.num_decode_steps,
+        decode_rows=stats.num_decode_rows,
+        preemptions=stats.num_preemptions,
+        occupancy=stats.num_generated_tokens / (stats.num_decode_steps * batch)
+        if stats.num_decode_steps
         else 0.0,
     )
-    return record, retired
+
+
+def rollout_step(engine: RolloutEngine, args, pool: SamplePool, step: int) -> tuple[StepRecord, list[Sample]]:
+    """One step of the loop's rollout stage: take, generate one window each, retire what reached its target.
+    Returns the step's record and the retired samples."""
+    batch, targets, params = take_windows(pool, args, step)
+    continuations = sum(s.num_response_tokens > 0 for s in batch)
+    sync(engine.device)
+    t0 = time.perf_counter()
+    outs = engine.generate([s.context_ids.tolist() for s in batch], params)
+    sync(engine.device)
+    seconds = time.perf_counter() - t0
+    retired = finish_windows(pool, batch, targets, [o.token_ids for o in outs], [o.logprobs for o in outs])
+    return step_record(step, seconds, len(batch), continuations, retired, engine.last_stats), retired
 
 
 def make_pool(args, batch_size: int, window: int, vocab: int) -> SamplePool:
@@ -221,21 +267,26 @@ def make_pool(args, batch_size: int, window: int, vocab: int) -> SamplePool:
     )
 
 
+StepFn = Callable[[SamplePool, int], tuple[StepRecord, list[Sample]]]
+
+
 def run_algo(
-    engine: RolloutEngine, name: str, batch_size: int, window: int, args, until: Callable
+    step_fn: StepFn, vocab: int, name: str, batch_size: int, window: int, args, until: Callable
 ) -> AlgoRun:
-    """Steps of one algorithm on a fresh pool over the same stream until `until(run)` says stop."""
-    pool = make_pool(args, batch_size, window, engine.spec.vocab_size)
+    """Steps of one algorithm on a fresh pool over the same stream until `until(run)` says stop;
+    `step_fn(pool, step)` runs one rollout step (the engine's, or the roofline model's)."""
+    pool = make_pool(args, batch_size, window, vocab)
     run = AlgoRun(name, batch_size, window)
     while not until(run):
-        rec, _ = rollout_step(engine, pool, args, len(run.steps))
+        rec, _ = step_fn(pool, len(run.steps))
         run.steps.append(rec)
-        print(
-            f"  {name} B={batch_size} step {rec.step}: {rec.seconds:.1f} s, {rec.completed} completed "
-            f"({rec.completed_tokens} tokens), {rec.continuations} continuations, occupancy "
-            f"{rec.occupancy:.2f}, prefill {rec.prefill_tokens}",
-            flush=True,
-        )
+        if not args.quiet:
+            print(
+                f"  {name} B={batch_size} step {rec.step}: {rec.seconds:.1f} s, {rec.completed} completed "
+                f"({rec.completed_tokens} tokens), {rec.continuations} continuations, occupancy "
+                f"{rec.occupancy:.2f}, prefill {rec.prefill_tokens}",
+                flush=True,
+            )
     return run
 
 
@@ -274,16 +325,22 @@ def rollout_part(args) -> dict:
             warmup_tokens=args.warmup_tokens,
         )
         results["warmup"] = warm_up(engine, warm, cfg["vocab_size"])
-    for batch_size in args.batch_sizes:
-        ppo = section(results, engine, "ppo", batch_size, args.max_length, args, ppo_done(args))
-        save(results, args.json)
-        for window in args.windows:
-            section(results, engine, f"tppo W={window}", batch_size, window, args, tppo_done(args, ppo))
-            save(results, args.json)
+    run_sections(results, partial(rollout_step, engine, args), cfg["vocab_size"], args)
     del engine
     free_memory()
     print_rollout(results)
     return results
+
+
+def run_sections(results: dict, step_fn: StepFn, vocab: int, args) -> None:
+    """PPO, then T-PPO at each window, for each batch size; the JSON is rewritten after each."""
+    for batch_size in args.batch_sizes:
+        ppo = section(results, step_fn, vocab, "ppo", batch_size, args.max_length, args, ppo_done(args))
+        save(results, args.json)
+        for window in args.windows:
+            until = tppo_done(args, ppo)
+            section(results, step_fn, vocab, f"tppo W={window}", batch_size, window, args, until)
+            save(results, args.json)
 
 
 def ppo_done(args) -> Callable[[AlgoRun], bool]:
@@ -321,22 +378,169 @@ def section(results: dict, *run_args) -> AlgoRun | None:
 def print_rollout(results: dict) -> None:
     print(
         "\n| B | algorithm | steps | wall s | completed | completed tok/s | vs ppo | occupancy | prefill tokens "
-        "| s / completed |\n|---|---|---|---|---|---|---|---|---|---|"
+        "| prefill share | s / completed |\n|---|---|---|---|---|---|---|---|---|---|---|"
     )
     base: dict[int, float] = {}
     for r in results["runs"]:
         if "error" in r:
-            print(f"| | error: {r['error'][:100]} | | | | | | | | |")
+            print(f"| | error: {r['error'][:100]} | | | | | | | | | |")
             continue
         t = r["totals"]
         if r["name"] == "ppo":
             base[r["batch_size"]] = t["completed_tok_s"]
         ratio = t["completed_tok_s"] / base[r["batch_size"]] if base.get(r["batch_size"]) else float("nan")
+        name = f"{r['variant']}: {r['name']}" if "variant" in r else r["name"]
         print(
-            f"| {r['batch_size']} | {r['name']} | {t['steps']} | {t['seconds']:.1f} | {t['completed']} | "
+            f"| {r['batch_size']} | {name} | {t['steps']} | {t['seconds']:.1f} | {t['completed']} | "
             f"{t['completed_tok_s']:.0f} | {ratio:.2f}x | {t['occupancy']:.2f} | {t['prefill_tokens']} | "
-            f"{t['s_per_completed']:.3f} |"
+            f"{t['prefill_share']:.2f} | {t['s_per_completed']:.3f} |"
         )
+
+
+# --------------------------------------------------------------------------------------------- the roofline bound
+# The models the bound part can cost: the rollout part's 16-layer MoE and the whole Qwen3-30B-A3B.
+BOUND_MODELS = {"moe16": MOE_16L, "qwen3-30b-a3b": QWEN3_30B_A3B}
+ONE_GPU = Shape("replicas", 1, 1, 1, 1, 1)
+
+
+def decode_iterations(context_N: np.ndarray, new_N: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The decode steps of one rollout step whose row i prefills c_i positions and generates n_i tokens.
+
+    A row's first token comes from its prefill, so row i decodes in steps j = 1 .. n_i - 1 with c_i + j
+    positions cached. Returns, for j = 1 .. max(n) - 1,
+
+        rows_J[j - 1] = #{i : n_i > j},    keys_J[j - 1] = sum_{i : n_i > j} (c_i + j)."""
+    steps = int(new_N.max()) - 1 if len(new_N) else 0
+    if steps <= 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0)
+    last_N = np.asarray(new_N, dtype=np.int64) - 1  # the last decode step of each row
+    rows_by_last = np.bincount(last_N, minlength=steps + 1)
+    context_by_last = np.bincount(last_N, weights=np.asarray(context_N, dtype=float), minlength=steps + 1)
+    rows_J = np.cumsum(rows_by_last[::-1])[::-1][1:]  # rows whose last step is >= j
+    context_J = np.cumsum(context_by_last[::-1])[::-1][1:]
+    return rows_J, context_J + np.arange(1, steps + 1) * rows_J
+
+
+@dataclass(frozen=True)
+class RooflineCost:
+    """An engine step's time on one GPU by the deployment planner's roofline (rollout/plan), every kernel at
+    its bound and no launch or host cost: an upper bound on speed that no engine beats.
+
+    decode step of b rows with C cached positions on average: the planner's replica step
+    L (T_a(b, C) + T_e(b)) + O(b), T_a reading the layer's attention weights and b C positions of K/V, T_e the
+    weights of the experts b tokens touch (E (1 - (1 - K/E)^b) of them), O the LM head;
+    prefill of rows with c_i positions, in chunks of `chunk` tokens: L (sum_i A(c_i) + sum_chunks T_e(chunk)),
+    A the causal attention of c_i tokens (compute-bound)."""
+
+    search: Search
+    chunk: int
+
+    @classmethod
+    def on(cls, model: ModelShape, gpu: GpuSpec, chunk: int) -> RooflineCost:
+        return cls(Search(model, analytic_times(model, gpu), Workload(1, 0), Cluster(1, gpu)), chunk)
+
+    def decode_ms(self, rows: int, keys: float) -> float:
+        at = replace(self.search, workload=Workload(keys / rows, 0))
+        return replica_plan(at, ONE_GPU, rows).step_ms
+
+    def decode_s(self, rows_J: np.ndarray, keys_J: np.ndarray) -> float:
+        return 1e-3 * sum(self.decode_ms(int(b), float(k)) for b, k in zip(rows_J, keys_J))
+
+    def prefill_s(self, context_N: np.ndarray) -> float:
+        m, gpu, times = self.search.model, self.search.cluster.gpu, self.search.times
+        total = int(np.sum(context_N))
+        full, rest = divmod(total, self.chunk)
+        experts = full * times.experts.ms(self.chunk, m.num_experts, 1)
+        if rest:
+            experts += times.experts.ms(rest, m.num_experts, 1)
+        attention = sum(prefill_attention_ms(m, gpu, 1, int(c)) for c in context_N)
+        return 1e-3 * m.num_layers * (attention + experts)
+
+
+def bound_step(cost: RooflineCost, args, pool: SamplePool, step: int) -> tuple[StepRecord, list[Sample]]:
+    """`rollout_step` with the roofline's time in place of an engine: the same pool, windows and targets, each
+    window filled with placeholder tokens of its exact length."""
+    batch, targets, params = take_windows(pool, args, step)
+    continuations = sum(s.num_response_tokens > 0 for s in batch)
+    context_N = np.array([s.prompt_ids.size + s.num_response_tokens for s in batch])
+    new_N = np.array([p.max_new_tokens for p in params])
+    rows_J, keys_J = decode_iterations(context_N, new_N)
+    stats = GenerateStats(
+        num_requests=len(batch),
+        num_generated_tokens=int(new_N.sum()),
+        num_decode_steps=len(rows_J),
+        num_decode_rows=int(rows_J.sum()),
+        num_prefill_tokens=int(context_N.sum()),
+        prefill_s=cost.prefill_s(context_N),
+        decode_s=cost.decode_s(rows_J, keys_J),
+    )
+    tokens = [np.zeros(n, dtype=np.int64) for n in new_N]
+    retired = finish_windows(pool, batch, targets, tokens, [np.zeros(n, dtype=np.float32) for n in new_N])
+    seconds = stats.prefill_s + stats.decode_s
+    return step_record(step, seconds, len(batch), continuations, retired, stats), retired
+
+
+@dataclass(frozen=True)
+class EveryExpert:
+    """T_e when a step reads every expert's weights whatever its rows, as a dense model's decode does:
+    max(E 3 h f bytes / B, 2 (3 h f) K t / F)."""
+
+    model: ModelShape
+    gpu: GpuSpec
+
+    def ms(self, tokens: float, num_local: int, tp: int) -> float:
+        m = self.model
+        flops = 2 * m.expert_params * tokens * m.top_k * num_local / m.num_experts / tp
+        weights = num_local * m.expert_params * m.weight_bytes / tp
+        return roofline_ms(weights, flops, self.gpu.peak_flops, self.gpu.mem_bandwidth)
+
+
+# What each variant of the bound makes free, to show which cost takes T-PPO's gain.
+BOUND_VARIANTS = {
+    "roofline": "every kernel at its roofline",
+    "free_kv": "the roofline with K/V reads free (no decode cost grows with context)",
+    "row_free": "K/V free and every expert read at every step: a memory-bound decode step's cost is then "
+    "independent of its rows",
+}
+
+
+def variant_list(text: str) -> list[str]:
+    """Comma-separated names of BOUND_VARIANTS (a command-line option)."""
+    names = text.split(",")
+    unknown = [n for n in names if n not in BOUND_VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown variants {unknown}; expected some of {list(BOUND_VARIANTS)}"
+        )
+    return names
+
+
+def variant_cost(variant: str, model: ModelShape, gpu: GpuSpec, chunk: int) -> RooflineCost:
+    if variant == "roofline":
+        return RooflineCost.on(model, gpu, chunk)
+    free_kv = replace(model, kv_bytes=0)
+    times = analytic_times(free_kv, gpu)
+    if variant == "row_free":
+        times = replace(times, experts=EveryExpert(free_kv, gpu))
+    return RooflineCost(Search(free_kv, times, Workload(1, 0), Cluster(1, gpu)), chunk)
+
+
+def bound_part(args) -> dict:
+    spec = MoeModelSpec.from_hf_config(BOUND_MODELS[args.model])
+    model, gpu = shape_from_spec(args.model, spec), gpu_preset(args.gpu)
+    results: dict = {"args": vars(args), "model": asdict(model), "gpu": asdict(gpu), "runs": []}
+    for variant in args.variants:
+        first = len(results["runs"])
+        cost = variant_cost(variant, model, gpu, args.max_step_tokens)
+        run_sections(results, partial(bound_step, cost, args), spec.vocab_size, args)
+        for run in results["runs"][first:]:
+            run["variant"] = variant
+        save(results, args.json)
+    print(f"roofline of {gpu.name}, {model.name} ({model.num_layers} layers, {model.num_experts} experts)")
+    for variant in args.variants:
+        print(f"{variant}: {BOUND_VARIANTS[variant]}")
+    print_rollout(results)
+    return results
 
 
 # --------------------------------------------------------------------------------------------- end to end
@@ -526,9 +730,8 @@ def print_e2e(results: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------------- CLI
-def add_rollout_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="bfloat16")
+def add_stream_args(ap: argparse.ArgumentParser) -> None:
+    """The request stream and the algorithms' steps (the rollout and bound parts)."""
     ap.add_argument("--batch-sizes", type=int_list, default=[64, 128], help="B, items per step")
     ap.add_argument("--max-length", type=int, default=16384, help="L_max, response tokens")
     ap.add_argument("--windows", type=int_list, default=[4096, 8192], help="T-PPO windows W")
@@ -539,14 +742,33 @@ def add_rollout_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sigma", type=float, default=0.7, help="of the target lengths' lognormal")
     ap.add_argument("--ppo-steps", type=int, default=3)
     ap.add_argument("--max-tppo-steps", type=int, default=40)
+    ap.add_argument("--max-step-tokens", type=int, default=2048, help="prefill chunk of an engine step")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quiet", action="store_true", help="no line per step")
+
+
+def add_rollout_args(ap: argparse.ArgumentParser) -> None:
+    add_stream_args(ap)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--warmup-tokens", type=int, default=64, help="new tokens per warm-up request (0: none)")
     ap.add_argument("--kv-tokens", type=int, default=0, help="KV cache positions; 0 sizes it from memory")
     ap.add_argument("--kv-cache-fraction", type=float, default=0.8, help="of free memory, when --kv-tokens 0")
-    ap.add_argument("--max-step-tokens", type=int, default=2048)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--seed", type=int, default=0)
     add_attention_arg(ap)
     ap.add_argument("--json", default="bench/out/tppo_vs_ppo_rollout.json")
+
+
+def add_bound_args(ap: argparse.ArgumentParser) -> None:
+    add_stream_args(ap)
+    ap.add_argument("--gpu", default="h200", choices=sorted(GPU_PRESETS), help="the roofline's GPU preset")
+    ap.add_argument("--model", default="moe16", choices=sorted(BOUND_MODELS))
+    ap.add_argument(
+        "--variants", type=variant_list, default=list(BOUND_VARIANTS), help=", ".join(BOUND_VARIANTS)
+    )
+    ap.add_argument("--json", default="bench/out/tppo_vs_ppo_bound.json")
+    # The model is cheap: more PPO steps than the GPU run affords, for a stable mean.
+    ap.set_defaults(ppo_steps=20, max_tppo_steps=400, quiet=True)
 
 
 def add_e2e_args(ap: argparse.ArgumentParser) -> None:
@@ -570,18 +792,22 @@ def main(argv: list[str] | None = None) -> None:
     rollout_ap = sub.add_parser("rollout", help="the engine alone: synchronous PPO vs T-PPO windows")
     rollout_ap.add_argument("--tiny", action="store_true", help="toy model on the CPU, few steps")
     add_rollout_args(rollout_ap)
+    bound_ap = sub.add_parser(
+        "bound", help="the rollout part's schedules costed at a GPU's roofline (no engine)"
+    )
+    add_bound_args(bound_ap)
     e2e_ap = sub.add_parser("e2e", help="the training loop: T-PPO vs synchronous PPO vs T-PPO with W = L_max")
     e2e_ap.add_argument("--tiny", action="store_true", help="one seed, a few steps (CPU smoke run)")
     add_e2e_args(e2e_ap)
     argv = sys.argv[1:] if argv is None else argv
-    if ap.parse_known_args(argv)[0].tiny:  # toy defaults; flags given on the command line still win
+    if getattr(
+        ap.parse_known_args(argv)[0], "tiny", False
+    ):  # toy defaults; flags given on the command line still win
         rollout_ap.set_defaults(**TINY_ROLLOUT)
         e2e_ap.set_defaults(**TINY_E2E)
     args = ap.parse_args(argv)
-    if args.part == "rollout":
-        rollout_part(args)
-    else:
-        e2e_part(args)
+    parts = {"rollout": rollout_part, "bound": bound_part, "e2e": e2e_part}
+    parts[args.part](args)
 
 
 if __name__ == "__main__":

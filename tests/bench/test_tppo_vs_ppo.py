@@ -9,6 +9,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,7 +58,7 @@ def test_synchronous_ppo_completes_every_response_of_the_batch_each_step(engine)
     args = tiny_args()
     pool = bench.make_pool(args, 8, args.max_length, engine.spec.vocab_size)
     for step in range(2):
-        rec, retired = bench.rollout_step(engine, pool, args, step)
+        rec, retired = bench.rollout_step(engine, args, pool, step)
         assert rec.batch == rec.completed == len(retired) == 8 and rec.continuations == 0
         assert [s.num_response_tokens for s in retired] == lengths_of(retired, args)
         assert rec.completed_tokens == rec.generated_tokens == sum(lengths_of(retired, args))
@@ -69,7 +70,7 @@ def test_tppo_windows_generate_each_response_to_its_target_in_windows(engine):
     pool = bench.make_pool(args, 8, window, engine.spec.vocab_size)
     retired_all, generated, continued = [], 0, 0
     for step in range(10):
-        rec, retired = bench.rollout_step(engine, pool, args, step)
+        rec, retired = bench.rollout_step(engine, args, pool, step)
         assert rec.batch == 8 and rec.generated_tokens <= 8 * window
         continued += rec.continuations
         generated += rec.generated_tokens
@@ -79,6 +80,64 @@ def test_tppo_windows_generate_each_response_to_its_target_in_windows(engine):
     assert all(s.window_round == math.ceil(s.num_response_tokens / window) for s in retired_all)
     in_flight = sum(s.num_response_tokens for s in pool)  # pending fresh items hold none yet
     assert generated == sum(s.num_response_tokens for s in retired_all) + in_flight
+
+
+def test_decode_iterations_count_each_steps_rows_and_cached_positions():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        context_N = rng.integers(1, 50, size=int(rng.integers(1, 9)))
+        new_N = rng.integers(1, 30, size=len(context_N))
+        rows_J, keys_J = bench.decode_iterations(context_N, new_N)
+        steps = int(new_N.max()) - 1
+        assert len(rows_J) == len(keys_J) == steps
+        for j in range(1, steps + 1):  # row i decodes its tokens 2 .. n_i at steps 1 .. n_i - 1
+            live = [i for i in range(len(new_N)) if new_N[i] > j]
+            assert rows_J[j - 1] == len(live)
+            assert keys_J[j - 1] == sum(context_N[i] + j for i in live)
+        assert rows_J.sum() == (new_N - 1).sum()  # every token after the first is one decode row
+
+
+def test_bound_steps_schedule_the_engines_work_exactly(engine):
+    """The roofline part replays the pool without an engine: step for step, it must see the batches, windows,
+    prefills and completions that the real (toy) engine saw."""
+    args = tiny_args()
+    cost = bench.RooflineCost.on(bench.shape_from_spec("tiny", engine.spec), bench.gpu_preset("h200"), 64)
+    for window in (args.max_length, 24):
+        real = bench.make_pool(args, 8, window, engine.spec.vocab_size)
+        model = bench.make_pool(args, 8, window, engine.spec.vocab_size)
+        for step in range(6):
+            got, got_retired = bench.bound_step(cost, args, model, step)
+            want, want_retired = bench.rollout_step(engine, args, real, step)
+            for key in ("batch", "continuations", "completed", "completed_tokens", "generated_tokens"):
+                assert getattr(got, key) == getattr(want, key), (window, step, key)
+            assert got.prefill_tokens == want.prefill_tokens  # continuations prefill their whole context
+            assert [s.uid for s in got_retired] == [s.uid for s in want_retired]
+            assert 0 < got.prefill_s < got.seconds
+
+
+def test_roofline_cost_is_the_bytes_and_flops_of_the_step():
+    """A decode step of b rows is memory-bound: L (attention weights + b C K/V + the touched experts) plus the
+    LM head, over the bandwidth. A prefill of c tokens in one chunk is compute-bound: L (2 c (attention
+    params) + 2 c^2 (q width) + 2 c K (expert params)) over the peak."""
+    spec = bench.MoeModelSpec.from_hf_config(bench.MOE_16L)
+    model, gpu = bench.shape_from_spec("moe16", spec), bench.gpu_preset("h200")
+    cost = bench.RooflineCost.on(model, gpu, 4096)
+    h, f, E, K, L = 2048, 768, 64, 8, 16
+    q, kv = 32 * 128, 4 * 128
+    attn_params = h * (q + 2 * kv) + q * h + h * E
+    expert_params = 3 * h * f
+    for b, keys in ((1, 1000.0), (32, 32 * 5000.0)):
+        touched = E * (1 - (1 - K / E) ** b)
+        layer_bytes = 2 * attn_params + keys * 2 * kv * 2 + touched * expert_params * 2
+        head_bytes = 2 * 32768 * h
+        want_ms = 1e3 * (L * layer_bytes + head_bytes) / gpu.mem_bandwidth
+        assert cost.decode_ms(b, keys) == pytest.approx(want_ms, rel=1e-9)
+    c = 4000
+    flops = L * (2 * c * attn_params + 2 * c * c * q + 2 * c * K * expert_params)
+    assert cost.prefill_s(np.array([c])) == pytest.approx(flops / gpu.peak_flops, rel=1e-9)
+    assert cost.decode_s(np.array([1, 32]), np.array([1000.0, 160000.0])) == pytest.approx(
+        1e-3 * (cost.decode_ms(1, 1000.0) + cost.decode_ms(32, 160000.0))
+    )
 
 
 @pytest.mark.slow
@@ -131,3 +190,33 @@ def test_e2e_tppo_with_a_whole_window_trains_exactly_like_ppo(tmp_path):
 
 def runs_metrics(root, name: str) -> list[list[dict]]:
     return [bench.read_metrics(p) for p in sorted(root.glob(f"{name}_s*/metrics.jsonl"))]
+
+
+def test_row_free_variant_makes_a_decode_step_cost_the_same_whatever_its_rows_and_context():
+    """The counterfactual of T-PPO's premise: K/V free and every expert read, so a memory-bound step costs
+    (L (attention weights + E expert weights) + LM head) / bandwidth at any rows and context."""
+    model = bench.shape_from_spec("moe16", bench.MoeModelSpec.from_hf_config(bench.MOE_16L))
+    gpu = bench.gpu_preset("h100")
+    cost = bench.variant_cost("row_free", model, gpu, 2048)
+    step_bytes = 16 * 2 * (model.attention_params_per_layer + 64 * model.expert_params) + 2 * 32768 * 2048
+    for rows, keys in ((1, 10.0), (8, 8 * 16000.0), (64, 64 * 2000.0)):  # memory-bound: FLOPs below bytes
+        assert cost.decode_ms(rows, keys) == pytest.approx(1e3 * step_bytes / gpu.mem_bandwidth, rel=1e-9)
+    free_kv = bench.variant_cost("free_kv", model, gpu, 2048)
+    assert free_kv.decode_ms(8, 8 * 16000.0) == free_kv.decode_ms(8, 8.0) < cost.decode_ms(8, 8.0)
+    with pytest.raises(bench.argparse.ArgumentTypeError, match="unknown variants"):
+        bench.variant_list("roofline,fast")
+
+
+def test_bound_part_writes_each_variants_runs(tmp_path):
+    out = tmp_path / "bound.json"
+    bench.main(
+        ["bound", "--batch-sizes", "8", "--windows", "24", "--max-length", "96", "--prompt-min", "4"]
+        + ["--prompt-max", "12", "--ppo-steps", "3", "--json", str(out)]
+    )
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["variant"], r["name"]) for r in runs] == [
+        (v, n) for v in bench.BOUND_VARIANTS for n in ("ppo", "tppo W=24")
+    ]
+    for ppo, tppo in zip(runs[::2], runs[1::2]):
+        assert ppo["totals"]["completed"] == 24 <= tppo["totals"]["completed"]
+        assert tppo["totals"]["occupancy"] > ppo["totals"]["occupancy"]

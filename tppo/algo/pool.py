@@ -259,13 +259,13 @@ class PromptSampler:
         self.position = 0
         self._order: np.ndarray | None = None
 
-    def _epoch_order(self) -> np.ndarray:
+    def _index(self) -> int:
+        """The prompt at the cursor. Unshuffled epochs need no order array (a stream may be huge)."""
+        if not self.shuffle:
+            return self.position
         if self._order is None:
-            if self.shuffle:
-                self._order = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_prompts)
-            else:
-                self._order = np.arange(self.num_prompts)
-        return self._order
+            self._order = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_prompts)
+        return int(self._order[self.position])
 
     @property
     def exhausted(self) -> bool:
@@ -275,7 +275,7 @@ class PromptSampler:
         """The next (prompt index, epoch), or None once `max_epochs` epochs are done."""
         if self.exhausted:
             return None
-        index, epoch = int(self._epoch_order()[self.position]), self.epoch
+        index, epoch = self._index(), self.epoch
         self.position += 1
         if self.position == self.num_prompts:
             self.epoch, self.position, self._order = self.epoch + 1, 0, None
