@@ -435,10 +435,6 @@ class RooflineCost:
     search: Search
     chunk: int
 
-    @classmethod
-    def on(cls, model: ModelShape, gpu: GpuSpec, chunk: int) -> RooflineCost:
-        return cls(Search(model, analytic_times(model, gpu), Workload(1, 0), Cluster(1, gpu)), chunk)
-
     def decode_ms(self, rows: int, keys: float) -> float:
         at = replace(self.search, workload=Workload(keys / rows, 0))
         return replica_plan(at, ONE_GPU, rows).step_ms
@@ -516,13 +512,13 @@ def variant_list(text: str) -> list[str]:
 
 
 def variant_cost(variant: str, model: ModelShape, gpu: GpuSpec, chunk: int) -> RooflineCost:
-    if variant == "roofline":
-        return RooflineCost.on(model, gpu, chunk)
-    free_kv = replace(model, kv_bytes=0)
-    times = analytic_times(free_kv, gpu)
+    """The roofline of `model` on one `gpu`, with what `variant` makes free."""
+    if variant != "roofline":
+        model = replace(model, kv_bytes=0)
+    times = analytic_times(model, gpu)
     if variant == "row_free":
-        times = replace(times, experts=EveryExpert(free_kv, gpu))
-    return RooflineCost(Search(free_kv, times, Workload(1, 0), Cluster(1, gpu)), chunk)
+        times = replace(times, experts=EveryExpert(model, gpu))
+    return RooflineCost(Search(model, times, Workload(1, 0), Cluster(1, gpu)), chunk)
 
 
 def bound_part(args) -> dict:

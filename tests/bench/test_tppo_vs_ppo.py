@@ -101,7 +101,9 @@ def test_bound_steps_schedule_the_engines_work_exactly(engine):
     """The roofline part replays the pool without an engine: step for step, it must see the batches, windows,
     prefills and completions that the real (toy) engine saw."""
     args = tiny_args()
-    cost = bench.RooflineCost.on(bench.shape_from_spec("tiny", engine.spec), bench.gpu_preset("h200"), 64)
+    cost = bench.variant_cost(
+        "roofline", bench.shape_from_spec("tiny", engine.spec), bench.gpu_preset("h200"), 64
+    )
     for window in (args.max_length, 24):
         real = bench.make_pool(args, 8, window, engine.spec.vocab_size)
         model = bench.make_pool(args, 8, window, engine.spec.vocab_size)
@@ -121,7 +123,7 @@ def test_roofline_cost_is_the_bytes_and_flops_of_the_step():
     params) + 2 c^2 (q width) + 2 c K (expert params)) over the peak."""
     spec = bench.MoeModelSpec.from_hf_config(bench.MOE_16L)
     model, gpu = bench.shape_from_spec("moe16", spec), bench.gpu_preset("h200")
-    cost = bench.RooflineCost.on(model, gpu, 4096)
+    cost = bench.variant_cost("roofline", model, gpu, 4096)
     h, f, E, K, L = 2048, 768, 64, 8, 16
     q, kv = 32 * 128, 4 * 128
     attn_params = h * (q + 2 * kv) + q * h + h * E
