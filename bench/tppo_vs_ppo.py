@@ -2,6 +2,7 @@
 
     python bench/tppo_vs_ppo.py rollout --json bench/out/tppo_vs_ppo_rollout.json   # H200, bf16, 16-layer MoE
     python bench/tppo_vs_ppo.py bound --gpu h200    # the rollout part's schedules at the roofline (CPU, seconds)
+    python bench/tppo_vs_ppo.py bound --measured bench/out/tppo_vs_ppo_rollout.json   # the engine against it
     python bench/tppo_vs_ppo.py e2e --json bench/out/tppo_vs_ppo_e2e.json           # 3 algorithms x seeds
     python bench/tppo_vs_ppo.py rollout --tiny        # CPU smoke runs of every code path (toy model, few steps)
     python bench/tppo_vs_ppo.py e2e --tiny
@@ -27,7 +28,9 @@ preset's roofline by the deployment planner's model (rollout/plan): what the har
 GPU, in seconds of CPU. `--variants` makes costs free one at a time to show which takes T-PPO's gain:
 `roofline` (every kernel at its bound), `free_kv` (K/V reads free), `row_free` (K/V free and every expert read
 at every step, so a memory-bound decode step costs the same whatever its rows: T-PPO's premise). Decode steps
-are counted without the engine's chunked-prefill steps (a few more per step on the engine).
+are counted without the engine's chunked-prefill steps (a few more per step on the engine). With `--measured
+R.json` (a rollout part's output) it replays R's runs step for step on R's stream and reports the engine's
+efficiency: roofline seconds / measured seconds, whole and for prefill and decode.
 
 e2e: the training loop (`python -m recipes.train`, one subprocess per run, as a user runs it) on the same
 experiment, seeds and learning rates with three algorithms: `tppo` (window `--window`), `ppo` (whole responses,
@@ -522,6 +525,8 @@ def variant_cost(variant: str, model: ModelShape, gpu: GpuSpec, chunk: int) -> R
 
 
 def bound_part(args) -> dict:
+    if args.measured:
+        return measured_part(args)
     spec = MoeModelSpec.from_hf_config(BOUND_MODELS[args.model])
     model, gpu = shape_from_spec(args.model, spec), gpu_preset(args.gpu)
     results: dict = {"args": vars(args), "model": asdict(model), "gpu": asdict(gpu), "runs": []}
@@ -537,6 +542,88 @@ def bound_part(args) -> dict:
         print(f"{variant}: {BOUND_VARIANTS[variant]}")
     print_rollout(results)
     return results
+
+
+# The stream's settings a measured rollout JSON carries and its replay must use.
+STREAM_KEYS = (
+    "max_length",
+    "group_size",
+    "prompt_min",
+    "prompt_max",
+    "median_frac",
+    "sigma",
+    "max_step_tokens",
+    "seed",
+)
+
+
+def measured_gpu(device_name: str, default: str) -> str:
+    """The GPU preset of a measured run's device ("NVIDIA H100 80GB HBM3" -> h100), else `default`."""
+    return next((name for name in GPU_PRESETS if name.upper() in device_name.upper()), default)
+
+
+def measured_part(args) -> dict:
+    """Replay each run of a rollout-part JSON step for step at the roofline: how far from its bound the engine
+    ran, overall and in prefill (steps without a decoding row) and decode. The replay must generate the same
+    tokens as the measured step, or the stream settings differ and the comparison is refused."""
+    measured = json.loads(Path(args.measured).read_text())
+    stream = argparse.Namespace(**{**vars(args), **{k: measured["args"][k] for k in STREAM_KEYS}})
+    cfg = TINY_MOE if measured["args"].get("tiny") else MOE_16L
+    spec = MoeModelSpec.from_hf_config(cfg)
+    gpu = gpu_preset(measured_gpu(measured.get("device_name", ""), args.gpu))
+    cost = variant_cost("roofline", shape_from_spec("measured", spec), gpu, stream.max_step_tokens)
+    rows = []
+    for run in measured["runs"]:
+        if "error" in run:
+            continue
+        pool = make_pool(stream, run["batch_size"], run["window"], spec.vocab_size)
+        bound = [bound_step(cost, stream, pool, i)[0] for i in range(len(run["steps"]))]
+        for got, want in zip(bound, run["steps"]):
+            if got.generated_tokens != want["generated_tokens"]:
+                raise ValueError(
+                    f"{args.measured}: run {run['name']} step {want['step']} generated {want['generated_tokens']} "
+                    f"tokens, the replay {got.generated_tokens}: not the same stream"
+                )
+        rows.append(efficiency_row(run, bound))
+    results = {"args": vars(args), "measured": args.measured, "gpu": asdict(gpu), "runs": rows}
+    save(results, args.json)
+    print_efficiency(results)
+    return results
+
+
+def efficiency_row(run: dict, bound: list[StepRecord]) -> dict:
+    """Measured and roofline seconds of one run, whole and split into prefill and decode. The split is the
+    engine's: its prefill is the steps without a decoding row (a prefill chunk riding a decode step counts as
+    decode), the bound's all prefill; the whole is exact."""
+    seconds = sum(s["seconds"] for s in run["steps"])
+    prefill = sum(s.get("prefill_s", math.nan) for s in run["steps"])
+    bound_s = sum(b.seconds for b in bound)
+    bound_prefill = sum(b.prefill_s for b in bound)
+    return {
+        "name": run["name"],
+        "batch_size": run["batch_size"],
+        "steps": len(bound),
+        "seconds": seconds,
+        "bound_s": bound_s,
+        "prefill_s": prefill,
+        "bound_prefill_s": bound_prefill,
+        "decode_s": seconds - prefill,
+        "bound_decode_s": bound_s - bound_prefill,
+    }
+
+
+def print_efficiency(results: dict) -> None:
+    print(f"\n{results['measured']} against the roofline of {results['gpu']['name']} (bound / measured)")
+    print(
+        "| B | algorithm | steps | measured s | bound s | efficiency | prefill s (bound) | decode s (bound) "
+        "| decode efficiency |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    for r in results["runs"]:
+        print(
+            f"| {r['batch_size']} | {r['name']} | {r['steps']} | {r['seconds']:.3g} | {r['bound_s']:.3g} | "
+            f"{r['bound_s'] / r['seconds']:.1%} | {r['prefill_s']:.3g} ({r['bound_prefill_s']:.3g}) | "
+            f"{r['decode_s']:.3g} ({r['bound_decode_s']:.3g}) | {r['bound_decode_s'] / r['decode_s']:.1%} |"
+        )
 
 
 # --------------------------------------------------------------------------------------------- end to end
@@ -761,6 +848,11 @@ def add_bound_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="moe16", choices=sorted(BOUND_MODELS))
     ap.add_argument(
         "--variants", type=variant_list, default=list(BOUND_VARIANTS), help=", ".join(BOUND_VARIANTS)
+    )
+    ap.add_argument(
+        "--measured",
+        help="a rollout-part JSON: replay its runs at its GPU's roofline (its stream settings win) and report "
+        "the engine's efficiency",
     )
     ap.add_argument("--json", default="bench/out/tppo_vs_ppo_bound.json")
     # The model is cheap: more PPO steps than the GPU run affords, for a stable mean.

@@ -151,6 +151,26 @@ def test_rollout_part_compares_on_the_same_completed_work(tmp_path):
     assert ppo["completed"] == bench.TINY_ROLLOUT["ppo_steps"] * 8
     assert tppo["completed"] >= ppo["completed"]
     assert tppo["prefill_tokens"] > ppo["prefill_tokens"]  # continuations prefill their prefix again
+    # The same runs replayed step for step at a GPU's roofline: every run, its steps, a positive bound.
+    bound_out = tmp_path / "bound.json"
+    bench.main(["bound", "--measured", str(out), "--gpu", "h100", "--json", str(bound_out)])
+    rows = {r["name"]: r for r in json.loads(bound_out.read_text())["runs"]}
+    assert set(rows) == set(runs)
+    for name, row in rows.items():
+        assert row["steps"] == len(runs[name]["steps"])
+        assert row["seconds"] == pytest.approx(sum(s["seconds"] for s in runs[name]["steps"]))
+        assert 0 < row["bound_prefill_s"] < row["bound_s"]
+    measured = json.loads(out.read_text())
+    measured["args"]["seed"] += 1
+    out.write_text(json.dumps(measured))
+    with pytest.raises(ValueError, match="not the same stream"):
+        bench.main(["bound", "--measured", str(out), "--json", str(bound_out)])
+
+
+def test_a_measured_runs_gpu_preset_is_read_from_its_device_name():
+    assert bench.measured_gpu("NVIDIA H100 80GB HBM3", "h200") == "h100"
+    assert bench.measured_gpu("NVIDIA H200", "h100") == "h200"
+    assert bench.measured_gpu("cpu", "h200") == "h200"
 
 
 @pytest.mark.slow
