@@ -67,8 +67,10 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
 except ImportError:  # pragma: no cover - CPU builds of torch come without Triton
     triton = tl = None
+    OutOfResources = RuntimeError
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - Triton before 3.4, or none
@@ -748,6 +750,29 @@ def _launch_options(run: MoeRun, x: torch.Tensor, preempt_flag: torch.Tensor | N
     )
 
 
+# (kernel, options, activations' dtype, device) -> the pipeline depth that compiled within the SM's shared memory
+_FITTING_STAGES: dict[tuple, int] = {}
+
+
+def _launch_fitting(kernel, programs: int, *args, options: dict) -> None:
+    """kernel[(programs,)](*args, **options) at the largest num_stages <= the requested one whose buffers fit
+    the SM's shared memory. The defaults are sized for bf16 tiles; fp32 operands need twice the bytes per stage,
+    and Triton finds that out only when it loads the compiled kernel, before anything runs on the device, so
+    a smaller depth can be tried. The depth that fits is remembered for the next launch of the same shapes."""
+    key = (kernel, tuple(sorted(options.items())), args[0].dtype, args[0].device)
+    stages = _FITTING_STAGES.get(key, options["num_stages"])
+    while True:
+        try:
+            kernel[(programs,)](*args, **{**options, "num_stages": stages})
+        except OutOfResources:
+            if stages == 1:
+                raise
+            stages -= 1
+            continue
+        _FITTING_STAGES[key] = stages
+        return
+
+
 def _table_args(run: MoeRun, preempt_flag: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     t = run.tiles
     flag = preempt_flag if preempt_flag is not None else t.ends_2  # never read without HAS_FLAG
@@ -768,7 +793,9 @@ def _launch_gate_up(
     if not items:
         return
     done = run.done_a_W if run.done_a_W is not None else run.tiles.ends_2
-    _gate_up_kernel[(min(programs, items),)](
+    _launch_fitting(
+        _gate_up_kernel,
+        min(programs, items),
         h_TH,
         _weight_operand(gate_up_EFH, run),
         run.act_RF,
@@ -781,7 +808,7 @@ def _launch_gate_up(
         gate_up_EFH.stride(0),
         gate_up_EFH.stride(1),
         run.act_RF.stride(0),
-        **_launch_options(run, h_TH, preempt_flag, launch),
+        options=_launch_options(run, h_TH, preempt_flag, launch),
     )
 
 
@@ -801,7 +828,9 @@ def _launch_down(
     tracked = run.done_a_W is not None
     if preempt_flag is not None and not tracked:
         raise ValueError("preempt_flag needs a tracked run (done masks)")
-    _down_kernel[(min(programs, items),)](
+    _launch_fitting(
+        _down_kernel,
+        min(programs, items),
         run.act_RF,
         _weight_operand(down_EHF, run),
         run.y_RH,
@@ -814,8 +843,10 @@ def _launch_down(
         down_EHF.stride(0),
         down_EHF.stride(1),
         run.y_RH.stride(0),
-        BLOCK_NB_A=triton.next_power_of_2(triton.cdiv(f, run.block_n)),
-        **_launch_options(run, run.act_RF, preempt_flag, launch),
+        options=dict(
+            _launch_options(run, run.act_RF, preempt_flag, launch),
+            BLOCK_NB_A=triton.next_power_of_2(triton.cdiv(f, run.block_n)),
+        ),
     )
 
 

@@ -27,8 +27,10 @@ from rollout_testlib import interpreter_results
 
 from rollout.kernels.persistent_moe import (  # private helpers: the per-phase launches, for one test
     MoeRun,
+    OutOfResources,
     _interpreted,
     _launch_down,
+    _launch_fitting,
     _launch_gate_up,
     _undone_tiles,
     build_tiles,
@@ -266,6 +268,43 @@ def test_resume_of_an_untracked_run_is_refused():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
+class SharedMemoryLimitedKernel:
+    """A launchable (kernel[grid](*args, **options)) that needs `fixed` bytes of shared memory plus `per_stage`
+    per pipeline stage beyond the first, and fails the way Triton does (OutOfResources when the compiled kernel
+    is loaded, before it runs) over `limit` bytes; it records the depth of every attempt."""
+
+    def __init__(self, per_stage: int, limit: int, fixed: int = 0) -> None:
+        self.per_stage, self.limit, self.fixed, self.tried, self.ran = per_stage, limit, fixed, [], []
+
+    def __getitem__(self, grid):
+        def launch(*args, num_stages: int, **options):
+            self.tried.append(num_stages)
+            need = self.fixed + (num_stages - 1) * self.per_stage
+            if need > self.limit:
+                raise OutOfResources(need, self.limit, "shared memory")
+            self.ran.append((grid, num_stages, options))
+
+        return launch
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_launch_lowers_the_pipeline_depth_to_what_fits_and_remembers_it():
+    """fp32 tiles at the bf16 defaults: 3 x 96 KiB buffers at 4 stages do not fit an H100's 227 KiB (the failure
+    the GPU run showed); the launch runs once at the deepest fitting depth, and the next launch starts there."""
+    kernel = SharedMemoryLimitedKernel(per_stage=98304, limit=232448)
+    x = torch.zeros(2, 3)
+    _launch_fitting(kernel, 7, x, options={"num_stages": 4, "num_warps": 8})
+    assert kernel.tried == [4, 3] and kernel.ran == [((7,), 3, {"num_warps": 8})]
+    _launch_fitting(kernel, 7, x, options={"num_stages": 4, "num_warps": 8})
+    assert kernel.tried == [4, 3, 3]
+    _launch_fitting(kernel, 7, x.double(), options={"num_stages": 4, "num_warps": 8})  # another dtype: fresh
+    assert kernel.tried == [4, 3, 3, 4, 3]
+    too_big = SharedMemoryLimitedKernel(per_stage=98304, limit=232448, fixed=300000)  # fits at no depth
+    with pytest.raises(OutOfResources):
+        _launch_fitting(too_big, 1, x, options={"num_stages": 3})
+    assert too_big.tried == [3, 2, 1] and not too_big.ran
+
+
 def test_cpu_tensors_without_the_interpreter_are_refused():
     if _interpreted():
         pytest.skip("this process runs the kernels interpreted")
