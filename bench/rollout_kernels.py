@@ -13,13 +13,14 @@ and, for bandwidth-bound ops, the fraction of `--bandwidth` that its bytes imply
 - attention: masked SDPA over [B, M, S, D] views of a contiguous cache vs FlashAttention-2 varlen with
   seqused_k, per q head or with the G q heads of a kv head folded into the query length, vs the engine's Triton
   paged decode kernel (the same keys in shuffled blocks of 16 positions, split-K as the engine picks it), and
-  the kernel at its default key tile and each of `--key-tiles` keys per loop step (tiles spanning cache
-  blocks), each with split-K sized for each of `--split-waves` waves of programs.
+  the kernel at one cache block's keys, the engine's key tile and each of `--key-tiles` keys per loop step
+  (tiles spanning cache blocks), each with split-K sized for each of `--split-waves` waves of programs.
 - prefill attention (once): one chunk of `--prefill-chunk` tokens of a sequence with `--prefill-context`
   positions cached before it, causal: FlashAttention-2 varlen over a contiguous cache (SDPA with the same mask
   off CUDA) vs the engine's Triton prefill kernel over shuffled blocks of 16 (CUDA, or `--tiny` under Triton's
-  interpreter), at its default key tile and each of `--key-tiles`; reported with the attention TFLOP/s (4 x
-  chunk x (context + chunk / 2) x heads x head_dim flops) and the largest difference to the first variant.
+  interpreter), at one cache block's keys, the engine's key tile and each of `--key-tiles`; reported with the
+  attention TFLOP/s (4 x chunk x (context + chunk / 2) x heads x head_dim flops) and the largest difference to
+  the first variant.
 - sample: the sampler on [B, V] bf16 logits, with and without the top-k/top-p sort.
 """
 
@@ -217,7 +218,7 @@ def bench_attention(c, batch, device, dtype, args) -> list[dict]:
         from rollout.paged_attention import DECODE_KEY_TILE, DECODE_WAVES
 
         cache = shuffled_blocks(k_SPMD, v_SPMD, 16)
-        for tile in [DECODE_KEY_TILE, *args.key_tiles]:
+        for tile in dict.fromkeys([None, DECODE_KEY_TILE, *args.key_tiles]):
             for waves in args.split_waves:
                 per_step = "block" if tile is None else tile
                 engine = " (engine)" if (tile, waves) == (DECODE_KEY_TILE, DECODE_WAVES) else ""
@@ -333,8 +334,10 @@ def bench_prefill_attention(c, device, dtype, args) -> list[dict]:
     first = ("flash varlen causal (contiguous)", flash) if device.type == "cuda" else ("sdpa masked", sdpa)
     want = first[1]().float()
     flops = 4 * chunk * (context + chunk / 2) * n * d
-    variants = [first, ("triton paged (engine)", paged(PREFILL_KEY_TILE))]
-    variants += [(f"triton paged, {t} keys per step", paged(t)) for t in args.key_tiles]
+    variants = [first]
+    for tile in dict.fromkeys([None, PREFILL_KEY_TILE, *args.key_tiles]):
+        engine = " (engine)" if tile == PREFILL_KEY_TILE else ""
+        variants.append((f"triton paged, {tile or 'block'} keys per step{engine}", paged(tile)))
     rows = []
     for name, fn in variants:
         row = {"section": "prefill attention", "batch": chunk, "context": context, "variant": name}

@@ -63,11 +63,12 @@ PREFILL_ROWS = 128  # query rows (tokens x G heads) of one prefill program: one 
 DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}
 PREFILL_LAUNCH = {"num_stages": 2}
 # The engine's keys per loop step (None: one cache block's, 16 at the paged engine's blocks of 16): a step's dot has
-# this many columns, and the prefill kernel's [128 x D] x [D x 16] dot is far below what the tensor cores want.
-# Larger tiles span cache blocks (one block-table entry per key); bench/rollout_kernels.py --key-tiles measures the
-# kernels, the engine benches' --attention flag whole steps. Unset until a GPU run shows which is faster.
-DECODE_KEY_TILE: int | None = None
-PREFILL_KEY_TILE: int | None = None
+# this many columns; larger tiles span cache blocks (one block-table entry per key). Measured on an H100
+# (bench/rollout_kernels.py --batches 32,128 --keys 8192, bench/RESULTS.md): decode at 64 keys reads 91% / 95% of
+# the HBM bandwidth at 32 / 128 rows against 56% / 68% at one block's 16; prefill at 128 keys runs at 293 TFLOP/s
+# against 229 (the [128 x D] x [D x 16] dot starves the tensor cores).
+DECODE_KEY_TILE: int | None = 64
+PREFILL_KEY_TILE: int | None = 128
 DECODE_WAVES = 2  # decode programs (rows x kv heads x splits) per SM that decode_splits aims for
 
 
