@@ -9,8 +9,8 @@ Workload: `--requests` requests of random token ids, prompt lengths uniform in [
 output lengths drawn from a lognormal (median `--median-output`, sigma `--sigma`), rounded, clipped to
 [1, --max-output]; every request generates exactly its drawn length (ignore_eos), temperature 1; all prompts,
 lengths and sampling seeds come from `--seed`.
-Engines (both built once and reused by both modes, with the same KV budget `--kv-tokens`, `--max-batch-size`
-and `--max-step-tokens`):
+Engines (both built once and reused by both modes, with the same KV budget `--kv-tokens`, `--max-batch-size`,
+`--max-step-tokens` and `--expert-kernel`):
 - paged: blocks of `--block-size` positions; a sequence holds the blocks its length needs.
 - slot: kv_block_size=0, i.e. one block of max_model_len = prompt_max + max_output (rounded up to 16)
   positions reserved per sequence at admission, so the budget bounds the concurrent sequences to
@@ -130,6 +130,7 @@ def engine_config(args, kind: str) -> RolloutConfig:
         max_batch_size=args.max_batch_size,
         max_step_tokens=args.max_step_tokens,
         max_decode_slowdown=args.max_decode_slowdown,
+        expert_kernel=args.expert_kernel,
         kv_cache_tokens=args.kv_tokens,
         cuda_graphs=not args.eager,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
@@ -531,6 +532,12 @@ def main() -> None:
         type=float,
         default=0.0,
         help="rollout.max_decode_slowdown: mixed steps' prefill sized by the tile cost model (0: off)",
+    )
+    ap.add_argument(
+        "--expert-kernel",
+        default="auto",
+        choices=("auto", "grouped", "padded", "persistent"),
+        help="rollout.expert_kernel of both engines (persistent: ExpertPlex's tile-scheduled kernel, issue #29)",
     )
     ap.add_argument("--cuda-graph-max-tokens", type=int, default=1024)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
