@@ -267,7 +267,6 @@ def test_resume_of_an_untracked_run_is_refused():
         persistent_moe_run(**inputs, num_decode=5, resume=untracked._replace(done_a_W=1, done_b_W=1))
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
 class SharedMemoryLimitedKernel:
     """A launchable (kernel[grid](*args, **options)) that needs `fixed` bytes of shared memory plus `per_stage`
     per pipeline stage beyond the first, and fails the way Triton does (OutOfResources when the compiled kernel
@@ -305,6 +304,7 @@ def test_launch_lowers_the_pipeline_depth_to_what_fits_and_remembers_it():
     assert too_big.tried == [3, 2, 1] and not too_big.ran
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
 def test_cpu_tensors_without_the_interpreter_are_refused():
     if _interpreted():
         pytest.skip("this process runs the kernels interpreted")
