@@ -242,3 +242,63 @@ def test_bound_part_writes_each_variants_runs(tmp_path):
     for ppo, tppo in zip(runs[::2], runs[1::2]):
         assert ppo["totals"]["completed"] == 24 <= tppo["totals"]["completed"]
         assert tppo["totals"]["occupancy"] > ppo["totals"]["occupancy"]
+
+
+def e2e_args(tmp_path, **overrides):
+    ap = bench.argparse.ArgumentParser()
+    bench.add_e2e_args(ap)
+    args = ap.parse_args(["--run-root", str(tmp_path), "--steps", "3"])
+    for k, v in overrides.items():
+        setattr(args, k, v)
+    return args
+
+
+def write_run(run_dir: Path, overrides: list[str], steps: int) -> None:
+    (run_dir / "hydra" / ".hydra").mkdir(parents=True)
+    (run_dir / "hydra" / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i}) + "\n" for i in range(steps)))
+
+
+def test_a_finished_run_with_the_same_overrides_is_read_not_rerun(tmp_path, monkeypatch):
+    args = e2e_args(tmp_path)
+    launched = []
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: launched.append(cmd) or FinishedProcess())
+    variant = bench.variant_overrides(args)["ppo"]
+
+    def recipe(seed: int) -> list[str]:
+        return [
+            f"experiment={args.experiment}",
+            f"run.name=ppo_s{seed}",
+            f"run.output_dir={tmp_path}",
+            f"run.seed={seed}",
+            "run.num_steps=3",
+            "logging=disabled",
+            *variant,
+        ]
+
+    write_run(tmp_path / "ppo_s0", recipe(0), steps=3)
+    assert bench.train("ppo_s0", 0, variant, args) == tmp_path / "ppo_s0" / "metrics.jsonl"
+    assert launched == []
+
+    write_run(tmp_path / "ppo_s1", recipe(1), steps=2)
+    bench.train("ppo_s1", 1, variant, args)  # two of three steps: the loop resumes it
+    assert [cmd[3:] for cmd in launched] == [recipe(1)]
+
+    write_run(tmp_path / "ppo_s2", recipe(0), steps=3)  # a finished run of other overrides (seed 0's)
+    with pytest.raises(ValueError, match="ppo_s2 holds a finished run launched with"):
+        bench.train("ppo_s2", 2, variant, args)
+
+
+class FinishedProcess:
+    returncode = 0
+
+
+def test_time_after_the_first_step_leaves_out_its_warm_up():
+    c = bench.curve(
+        [{"perf/step_s": s, "rollout/reward_mean": r} for s, r in [(30.0, -1.0), (1.0, -0.6), (1.0, -0.2)]],
+        smooth=1,
+    )
+    reached = bench.time_to(c, -0.5)
+    assert reached == pytest.approx(32.0)
+    assert bench.after_first_step(c, reached) == pytest.approx(2.0)
+    assert bench.after_first_step(c, bench.time_to(c, 0.5)) is None
