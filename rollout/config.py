@@ -51,7 +51,12 @@ class RolloutConfig:
     cuda_graphs: bool = True
     cuda_graph_max_tokens: int = spec(4096, ge=1, help="steps of at most this many tokens run as CUDA graphs")
     trace_steps: bool = spec(False, help="record every step in last_stats.steps (benchmarks)")
-    weight_sync_bucket_mb: int = spec(256, ge=1)
+    weight_sync_bucket_mb: int = spec(
+        256,
+        ge=1,
+        help="weight sync unit: the policy streams its weights to the engines in buckets of this size (capped "
+        "at a third of cluster.object_store_mb, so the buckets in flight never spill)",
+    )
 
 
 @dataclass

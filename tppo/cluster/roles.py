@@ -11,8 +11,9 @@ run with a message that names the role and rank, never a hang: every remote call
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,9 +37,13 @@ from tppo.engine.layout import RouterLayout
 from tppo.engine.parallel import reserved_port
 
 CALL_TIMEOUT_S = 1800.0
+# Weight-sync buckets a policy rank may gather ahead of the engines' loading (bounds the object store's share).
+STREAM_AHEAD = 2
 
 # Per-rank micro-batches of one role: batches[r][m] is micro-batch m of rank r.
 RankBatches = list[list[TrainBatch]]
+# One weight-sync bucket of (HF name, tensor) pairs, or a Ray object ref of one.
+WeightBucket = Any
 
 
 @dataclass(frozen=True)
@@ -85,14 +90,50 @@ class RankGroup:
         import ray
 
         refs = [getattr(h, name).remote(*a) for h, a in zip(self.handles, arg_lists)]
-        try:
+        with self._role_errors(name):
             return ray.get(refs, timeout=CALL_TIMEOUT_S)
+
+    def stream(self, method: Callable[..., Iterator[Any]], *args: Any) -> Iterator[Any]:
+        """Run the generator method `method` (e.g. `TrainerWorker.hf_weights`) on every rank and yield rank 0's
+        items as they come: Ray object refs of actors (a worker given one as an argument reads it from the
+        object store, so the data never passes through the driver; at most STREAM_AHEAD wait unread), the
+        items themselves in-process. The other ranks run alongside (their collectives pair with rank 0's) and
+        are waited for after rank 0's last item. Each item, and the end, waits at most CALL_TIMEOUT_S."""
+        name = method.__name__
+        if not self.remote:
+            generators = [getattr(h, name)(*args) for h in self.handles]
+            yield from generators[0]
+            for rest in generators[1:]:
+                for _ in rest:
+                    pass
+            return
+        import ray
+
+        options = {"num_returns": "streaming", "_generator_backpressure_num_objects": STREAM_AHEAD}
+        generators = [getattr(h, name).options(**options).remote(*args) for h in self.handles]
+        with self._role_errors(name, rank=0):
+            yield from _refs(generators[0], name)
+        for rank, rest in enumerate(generators[1:], start=1):
+            with self._role_errors(name, rank):
+                ray.get(list(_refs(rest, name)), timeout=CALL_TIMEOUT_S)
+
+    @contextlib.contextmanager
+    def _role_errors(self, name: str, rank: int | None = None) -> Iterator[None]:
+        """Ray's errors of a call to `name` as RoleErrors that name the role and the rank (`rank` when only
+        that rank's results are read, else the rank Ray's error names)."""
+        import ray
+
+        def who(err: Exception) -> str:
+            return self._rank_of(err) if rank is None else f"{self.name} rank {rank}"
+
+        try:
+            yield
         except ray.exceptions.RayActorError as err:
-            raise RoleError(f"{self._rank_of(err)} died during {name}(){_death_cause(err)}") from err
+            raise RoleError(f"{who(err)} died during {name}(){_death_cause(err)}") from err
         except ray.exceptions.GetTimeoutError as err:
             raise RoleError(f"{self.name}.{name}() did not finish within {CALL_TIMEOUT_S:.0f} s") from err
         except ray.exceptions.RayTaskError as err:
-            raise RoleError(f"{self._rank_of(err)}: {name}() failed: {err}") from err
+            raise RoleError(f"{who(err)}: {name}() failed: {err}") from err
 
     def subset(self, ranks: Sequence[int]) -> RankGroup:
         """The group of some of these ranks (in that order), for calls that only they answer."""
@@ -104,6 +145,20 @@ class RankGroup:
         actor_id = getattr(err, "actor_id", None)
         ids = [h._actor_id.hex() for h in self.handles]  # a Ray ActorHandle keeps its id there
         return f"{self.name} rank {ids.index(actor_id)}" if actor_id in ids else f"a {self.name} rank"
+
+
+def _refs(generator: Any, name: str) -> Iterator[Any]:
+    """The object refs of a Ray streaming generator, each waited for at most CALL_TIMEOUT_S."""
+    import ray
+
+    while True:
+        ready, _ = ray.wait([generator], timeout=CALL_TIMEOUT_S)
+        if not ready:
+            raise ray.exceptions.GetTimeoutError(f"{name}() yielded nothing for {CALL_TIMEOUT_S:.0f} s")
+        try:
+            yield next(generator)
+        except StopIteration:
+            return
 
 
 def _death_cause(err: Exception) -> str:
@@ -170,14 +225,15 @@ class Rollout:
         """Every engine's counters of its last generate call (prefill and decode time, decode rows)."""
         return self.ranks.subset(self.engines).call(RolloutWorker.last_stats)
 
-    def load_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
-        """Every engine gets the bucket; in the disaggregated layout the attention workers get its non-expert
-        tensors and each expert worker its experts' tensors."""
+    def load_weights(self, bucket: WeightBucket) -> None:
+        """Every engine gets the bucket (as a ref, each engine reads it from the object store); in the
+        disaggregated layout the attention workers get its non-expert tensors and each expert worker its experts'
+        tensors (split here, so the driver reads the bucket)."""
         if self.seats is None:
-            self.ranks.call(RolloutWorker.load_weights, None, named_tensors)
+            self.ranks.call(RolloutWorker.load_weights, None, bucket)
             return
         held = [seat.experts for seat in self.seats if seat.experts is not None]
-        dense, experts = split_weights(named_tensors, held)
+        dense, experts = split_weights(_materialized(bucket), held)
         by_range = dict(zip(held, experts))
         parts = [(dense if seat.experts is None else by_range[seat.experts],) for seat in self.seats]
         self.ranks.call(RolloutWorker.load_weights, parts)
@@ -188,6 +244,15 @@ class Rollout:
 
     def info(self) -> list[WorkerInfo]:
         return self.ranks.subset(self.engines).call(RolloutWorker.info)
+
+
+def _materialized(bucket: WeightBucket) -> list[tuple[str, Any]]:
+    """The (name, tensor) pairs of a bucket, read from the object store when it is a ref."""
+    if isinstance(bucket, list):
+        return bucket
+    import ray
+
+    return ray.get(bucket, timeout=CALL_TIMEOUT_S)
 
 
 def share_by_cost(costs: Sequence[int], num_workers: int) -> list[list[int]]:
@@ -351,9 +416,10 @@ class Trainer:
     def router_layout(self) -> RouterLayout:
         return self.ranks.call(TrainerWorker.router_layout)[0]
 
-    def weights(self, bucket_bytes: int) -> list[list[tuple[str, Any]]]:
-        """The policy's weights in HF names and logical expert order, in buckets of about `bucket_bytes`."""
-        return self.ranks.call(TrainerWorker.hf_weights, None, bucket_bytes)[0]
+    def weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """The policy's weights in HF names and logical expert order, in buckets of about `bucket_bytes`, one at
+        a time (on Ray: object refs, for `Rollout.load_weights`)."""
+        return self.ranks.stream(TrainerWorker.hf_weights, bucket_bytes)
 
     def offload(self) -> None:
         """Free the devices for a colocated role; the next call that needs the state brings it back."""

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -247,11 +247,14 @@ class TrainerWorker:
             return False
         return True
 
-    def hf_weights(self, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-        """Every rank must call this (the export gathers experts); rank 0 returns the buckets, others []."""
+    def hf_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The weights in buckets of about `bucket_bytes`, one bucket at a time: as a Ray actor method each is its
+        own object, gathered while the one before is being loaded, so no process holds the whole model twice.
+        Every rank must run it to the end (the export gathers experts); rank 0 yields the buckets, others none."""
         self._awake()
-        buckets = [list(b) for b in self.engine.iter_hf_weights(bucket_bytes=bucket_bytes)]
-        return buckets if self.spec.rank == 0 else []
+        for bucket in self.engine.iter_hf_weights(bucket_bytes=bucket_bytes):
+            if self.spec.rank == 0:
+                yield [(name, own_storage(t)) for name, t in bucket]
 
     def load_hf(self, path: str) -> None:
         """Load a Hugging Face checkpoint's weights (the reference policy from the policy's export)."""
@@ -294,6 +297,14 @@ class TrainerWorker:
             self.executor.load_checkpoint(state, keep_saved_placement=True)
         else:
             self.engine.load_state_dict(state)
+
+
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a compact copy of it where it views a larger storage (an expert's slice of a layer's stacked
+    weights, a parameter inside a contiguous buffer): pickling a view writes its whole storage, so a bucket of
+    views would ship the buffers behind them once per bucket."""
+    whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
 
 
 def deepspeed_dir(shard: str | Path) -> Path:

@@ -158,3 +158,83 @@ def test_old_logprobs_stay_on_the_ranks_and_only_metrics_and_loads_come_back():
     expected = loads_from_batches(batches, layout, cfg.model.num_experts)
     np.testing.assert_array_equal(loads_from_ranks(old.counts_MLE, layout.ep), expected)
     assert expected.sum() > 0 and not result.skipped
+
+
+class _Streamer:
+    """A rank of a role whose generator method yields on rank 0 only, as TrainerWorker.hf_weights does."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.finished = rank, False
+
+    def buckets(self, n: int, fail_at: int = -1, stall_s: float = 0.0, failing_rank: int | None = None):
+        for i in range(n):
+            if i == fail_at and failing_rank in (None, self.rank):
+                raise ValueError(f"rank {self.rank}: bucket {i} cannot be gathered")
+            time.sleep(stall_s)
+            if self.rank == 0:
+                yield [(f"w{i}", torch.full((4,), float(i)))]
+        self.finished = True
+
+    def ran_to_the_end(self) -> bool:
+        return self.finished
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.loaded: list[tuple[str, float]] = []
+
+    def load(self, bucket) -> int:
+        self.loaded += [(name, float(t[0])) for name, t in bucket]
+        return len(bucket)
+
+    def seen(self) -> list[tuple[str, float]]:
+        return self.loaded
+
+
+def test_a_stream_hands_rank_zeros_items_to_another_actor_without_the_driver_reading_them():
+    import ray
+
+    with ray_session(ClusterConfig(object_store_mb=100, cpus_per_node=2)):
+        group = RankGroup("policy", [ray.remote(num_cpus=0.01)(_Streamer).remote(r) for r in range(2)], True)
+        sink = RankGroup("rollout", [ray.remote(num_cpus=0.01)(_Sink).remote()], True)
+        items = []
+        for ref in group.stream(_Streamer.buckets, 5):
+            items.append(ref)
+            assert sink.call(_Sink.load, None, ref) == [1]
+        assert all(isinstance(ref, ray.ObjectRef) for ref in items)
+        assert sink.call(_Sink.seen) == [[(f"w{i}", float(i)) for i in range(5)]]
+        assert group.call(_Streamer.ran_to_the_end) == [True, True]
+
+
+def test_a_failing_or_silent_stream_is_a_role_error(monkeypatch):
+    import ray
+
+    import tppo.cluster.roles as roles
+
+    with ray_session(ClusterConfig(object_store_mb=100, cpus_per_node=2)):
+        group = RankGroup("policy", [ray.remote(num_cpus=0.01)(_Streamer).remote(r) for r in range(2)], True)
+        sink = RankGroup("rollout", [ray.remote(num_cpus=0.01)(_Sink).remote()], True)
+        # rank 0's failure is its last item: the reader's call fails and names the producer and the cause
+        with pytest.raises(
+            RoleError,
+            match=r"(?s)^a rollout rank: load\(\) failed: .*_Streamer\.buckets\(\).*"
+            r"rank 0: bucket 2 cannot be gathered",
+        ):
+            for ref in group.stream(_Streamer.buckets, 3, 2, 0.0, 0):
+                sink.call(_Sink.load, None, ref)
+        # another rank's failure: the stream itself, once rank 0's items are read
+        with pytest.raises(
+            RoleError, match=r"(?s)^policy rank 1: buckets\(\) failed: .*rank 1: bucket 2 cannot"
+        ):
+            for ref in group.stream(_Streamer.buckets, 3, 2, 0.0, 1):
+                sink.call(_Sink.load, None, ref)
+        monkeypatch.setattr(roles, "CALL_TIMEOUT_S", 1.0)
+        with pytest.raises(RoleError, match=r"^policy\.buckets\(\) did not finish within 1 s"):
+            list(group.stream(_Streamer.buckets, 2, -1, 5.0))
+
+
+def test_in_process_stream_yields_the_items_and_runs_every_rank():
+    ranks = [_Streamer(0), _Streamer(1)]
+    items = list(RankGroup("policy", ranks, remote=False).stream(_Streamer.buckets, 3))
+    assert [name for bucket in items for name, _ in bucket] == ["w0", "w1", "w2"]
+    assert all(r.finished for r in ranks)

@@ -10,11 +10,12 @@ import torch
 from rollout.engine import GenerateStats, GenerationOutput
 from tppo.algo.config import AlgoConfig
 from tppo.algo.pool import Prompt, SamplePool
-from tppo.cluster.roles import RankGroup, Rollout, Trainer
+from tppo.cluster.config import ClusterConfig
+from tppo.cluster.roles import STREAM_AHEAD, RankGroup, Rollout, Trainer
 from tppo.cluster.workers import OldLogprobsReport
 from tppo.config import ExperimentConfig
 from tppo.engine.batch import ForwardOutput, StepResult
-from tppo.loop.driver import Roles, rl_step
+from tppo.loop.driver import Roles, rl_step, sync_bucket_bytes
 
 PROMPT_BASE = 100  # prompt i is the single token PROMPT_BASE + i
 
@@ -128,3 +129,22 @@ def test_dynamic_sampling_trains_only_informative_groups_and_refills_the_batch()
     metrics = rl_step(1, bounded, pool, roles, _verifier, stop_ids=())
     assert sorted(policy.trained_prompts) == [9, 9, 11, 11, 13, 13]
     assert metrics["rollout/dynamic_generated"] == 12.0 and metrics["rollout/dynamic_refill_rounds"] == 1.0
+
+
+def test_weight_sync_buckets_fit_the_object_store_with_the_ones_in_flight():
+    def bucket_mb(store_mb: int, bucket_mb: int) -> float:
+        cfg = ExperimentConfig()
+        cfg = replace(
+            cfg,
+            cluster=replace(cfg.cluster, object_store_mb=store_mb),
+            rollout=replace(cfg.rollout, weight_sync_bucket_mb=bucket_mb),
+        )
+        return sync_bucket_bytes(cfg) / (1 << 20)
+
+    assert bucket_mb(16384, 256) == 256
+    assert bucket_mb(128, 256) == 128 // (STREAM_AHEAD + 1)
+    assert bucket_mb(128, 8) == 8
+    assert (
+        bucket_mb(ClusterConfig().object_store_mb, 1 << 20) * (STREAM_AHEAD + 1)
+        <= ClusterConfig().object_store_mb
+    )
