@@ -673,7 +673,7 @@ def train(name: str, seed: int, overrides: list[str], args) -> Path:
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{name}: recipes.train exited {done.returncode}:\n{done.stderr[-2000:]}")
-    return Path(args.run_root) / name / "metrics.jsonl"
+    return run_dir / "metrics.jsonl"
 
 
 def finished_run(run_dir: Path, recipe_overrides: list[str], steps: int) -> bool:
