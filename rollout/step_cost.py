@@ -7,7 +7,7 @@ A step of `rows` decoding rows attending to `keys` cached positions, plus `p` pr
 
 with x_dec = sum_l sum_e ceil(m_le^dec / M_dec) and x_pre = sum_l sum_e ceil(m_le^pre / M_pre) the MoE tiles of
 each phase over the L MoE layers (m_le: the phase's (token, expert) pairs of expert e in layer l; M: the tile
-heights of the persistent kernel, 16 for decode and 64 for prefill). The coefficients are fitted by
+heights of the persistent kernel, BLOCK_M_DECODE and BLOCK_M_PREFILL). The coefficients are fitted by
 non-negative least squares from the engine's own steps (their wall time and their actual tiles, counted from
 the routing they recorded). Before a step the tiles are not known yet: they are taken at their expectation under
 uniform routing, E[x] = L E E[ceil(m / M)] with m ~ Binomial(tokens, K / E).
@@ -16,12 +16,21 @@ The prefill budget of a step is the largest p with
 
     c_ptok p + c_ptiles E[x_pre(p)] <= s (c0 + c_rows rows + c_keys keys + c_dtiles E[x_dec(rows)]),
 
-i.e. predicted time <= (1 + s) x the decode-only step's, and at least `min_tokens` so prefill always progresses.
-Both sides grow monotonically in p, so a binary search finds it.
+i.e. predicted time <= (1 + s) x the decode-only step's. Both sides grow monotonically in p, so a binary search
+finds it.
+
+When not even `min_tokens` fit the bound, no chunk size keeps it, and throttling would only multiply the mixed
+steps: a few decoding rows of a fine-grained MoE touch a fraction of its experts, and the first prefill tokens
+touch most of the rest, so a step's extra time is mostly fixed (on an H100, 48 layers of 128 experts top-8 at ~10
+decode rows: 12.9 ms decode-only, 24.7 ms with 16 prefill tokens, about 3x with ~2,000). The step then carries the
+chunk that costs the decoding rows least per prefill token, the smallest within 1% of the best over
+`min_tokens`, twice that, ... and `max_tokens`: all of `max_tokens` when the extra time is mostly fixed, the floor
+when it grows with the tokens. `unmet_steps` counts those steps, and the first one is logged.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +38,8 @@ from scipy.optimize import nnls
 
 from rollout.kernels.persistent_moe import BLOCK_M_DECODE, BLOCK_M_PREFILL
 from rollout.plan.perf import expected_tiles, tiles
+
+log = logging.getLogger(__name__)
 
 FEATURES = ("one", "rows", "keys", "dec_tiles", "prefill_tokens", "prefill_tiles")
 
@@ -75,8 +86,10 @@ class PrefillBudget:
     min_each: int = 3
     refit_every: int = 8
     coef: np.ndarray | None = None
+    unmet_steps: int = 0
     _X: list[np.ndarray] = field(default_factory=list)
     _y: list[float] = field(default_factory=list)
+    _tiles: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     def record(self, shape: StepShape, seconds: float) -> None:
         self._X.append(shape.features())
@@ -113,7 +126,8 @@ class PrefillBudget:
         """Prefill tokens a step with these decoding rows may carry (max_tokens while unfitted or without rows)."""
         if self.coef is None or rows == 0:
             return self.max_tokens
-        bound = (1.0 + self.slowdown) * self.predict(self.expected(rows, keys, 0))
+        decode_s = self.predict(self.expected(rows, keys, 0))
+        bound = (1.0 + self.slowdown) * decode_s
         lo, hi = 0, self.max_tokens  # lo fits; find the largest p that does
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -121,4 +135,38 @@ class PrefillBudget:
                 lo = mid
             else:
                 hi = mid - 1
-        return max(lo, min(self.min_tokens, self.max_tokens))
+        floor = min(self.min_tokens, self.max_tokens)
+        if lo >= floor:
+            return lo
+        return self._cheapest_chunk(rows, keys, decode_s, floor)
+
+    def _cheapest_chunk(self, rows: int, keys: int, decode_s: float, floor: int) -> int:
+        """The chunk with the most prefill tokens per second of extra step time (the bound cannot hold); the
+        extra time, c_ptok p + c_ptiles E[x_pre(p)], is the same whatever the decoding rows."""
+        sizes_P, tiles_P = self._chunk_tiles(floor)
+        per_s_P = sizes_P / np.maximum(self.coef[4] * sizes_P + self.coef[5] * tiles_P, 1e-12)
+        chosen = int(sizes_P[np.argmax(per_s_P >= 0.99 * per_s_P.max())])
+        if not self.unmet_steps:
+            log.warning(
+                "rollout.max_decode_slowdown=%g cannot hold at %d decoding rows: %d prefill tokens are predicted "
+                "to slow the step %.2fx; mixed steps carry %d tokens, the fewest seconds per prefill token",
+                self.slowdown,
+                rows,
+                floor,
+                self.predict(self.expected(rows, keys, floor)) / decode_s,
+                chosen,
+            )
+        self.unmet_steps += 1
+        return chosen
+
+    def _chunk_tiles(self, floor: int) -> tuple[np.ndarray, np.ndarray]:
+        """Chunk sizes floor, 2 floor, ..., max_tokens and their expected prefill tiles over the MoE layers."""
+        if floor in self._tiles:
+            return self._tiles[floor]
+        sizes = list(range(floor, self.max_tokens, floor)) + [self.max_tokens]
+        tiles = [
+            self.num_moe_layers * expected_tiles(p, self.num_experts, self.top_k, BLOCK_M_PREFILL)
+            for p in sizes
+        ]
+        self._tiles[floor] = np.asarray(sizes, dtype=np.float64), np.asarray(tiles)
+        return self._tiles[floor]

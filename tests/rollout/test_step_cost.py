@@ -66,12 +66,33 @@ def test_budget_is_the_largest_prefill_within_the_bound(rows, keys, slowdown):
     assert model.min_tokens < p < model.max_tokens  # these cases bind above the floor
 
 
-def test_budget_floor_and_rows_free_steps():
+def _extra_per_token(model: PrefillBudget, rows: int, keys: int, p: int) -> float:
+    decode_s = model.predict(model.expected(rows, keys, 0))
+    return p / (model.predict(model.expected(rows, keys, p)) - decode_s)
+
+
+def test_an_unreachable_bound_with_a_fixed_prefill_cost_takes_whole_chunks(caplog):
     model = _budget(slowdown=0.1, coef=COEF)
-    # each prefill token opens new 64-row tiles in ~8 experts x 4 layers: even one breaks a 10% bound here
+    # each prefill token opens new tiles in ~8 experts x 4 layers: even one breaks a 10% bound here, and the
+    # first tokens' tiles are most of a chunk's extra time, so larger chunks cost less per token
     assert model.predict(model.expected(8, 40_000, 1)) > 1.1 * model.predict(model.expected(8, 40_000, 0))
-    assert model.budget(8, 40_000) == 16  # prefill always progresses
+    with caplog.at_level("WARNING", logger="rollout.step_cost"):
+        p = model.budget(8, 40_000)
+        assert model.budget(64, 400_000) == p  # the extra time of a chunk does not depend on the rows
+    best = max(_extra_per_token(model, 8, 40_000, q) for q in range(16, 2049))
+    assert _extra_per_token(model, 8, 40_000, p) >= 0.98 * best
+    assert p > 1024 and _extra_per_token(model, 8, 40_000, p) > 10 * _extra_per_token(model, 8, 40_000, 16)
+    assert model.unmet_steps == 2
+    assert [r.getMessage() for r in caplog.records if "max_decode_slowdown=0.1" in r.getMessage()] != []
+    assert len(caplog.records) == 1  # logged once
     assert model.budget(0, 0) == 2048  # no decoding row to protect
+
+
+def test_an_unreachable_bound_with_a_per_token_prefill_cost_keeps_the_floor():
+    per_token = np.array([2e-3, 1e-5, 2e-8, 4e-6, 3e-4, 0.0])  # a prefill token costs 30 decode rows
+    model = _budget(slowdown=0.1, coef=per_token)
+    assert model.budget(8, 40_000) == 16  # every chunk costs the same per token: the least per step
+    assert model.unmet_steps == 1
 
 
 def test_engine_with_a_budget_gives_the_same_outputs_within_each_steps_budget(tmp_path):
@@ -90,6 +111,7 @@ def test_engine_with_a_budget_gives_the_same_outputs_within_each_steps_budget(tm
     model = engine.prefill_budget
     # a fitted model (as if from earlier calls) whose budget binds: prefill tokens cost as much as decode rows
     model.coef = np.array([1e-4, 1e-4, 0.0, 0.0, 1e-4, 0.0])
+    model.min_steps = 10**9  # keep it: a refit from this machine's step times would set other budgets
     outs = engine.generate(prompts, params)
     for a, b in zip(outs, plain):
         assert a.token_ids == b.token_ids

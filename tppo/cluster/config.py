@@ -33,7 +33,8 @@ class ClusterConfig:
         "auto",
         choices=("auto", "on", "off"),
         help="time-share devices between roles (trainers offload while the rollout engine generates, the engine "
-        "sleeps while they train); auto: on for colocated GPU runs",
+        "sleeps while they train); auto: on for colocated GPU runs. off when every role fits the GPU at once: it "
+        "saves each step's offload, engine wake and CUDA-graph re-capture",
     )
 
     @property
