@@ -133,6 +133,12 @@ class RankGroup:
         except ray.exceptions.GetTimeoutError as err:
             raise RoleError(f"{self.name}.{name}() did not finish within {CALL_TIMEOUT_S:.0f} s") from err
         except ray.exceptions.RayTaskError as err:
+            producer = _failed_input(err)
+            if producer is not None:
+                raise RoleError(
+                    f"{self.name}.{name}() could not read its input: {producer} failed: "
+                    f"{type(err.cause).__name__}: {err.cause}"
+                ) from err
             raise RoleError(f"{who(err)}: {name}() failed: {err}") from err
 
     def subset(self, ranks: Sequence[int]) -> RankGroup:
@@ -145,6 +151,17 @@ class RankGroup:
         actor_id = getattr(err, "actor_id", None)
         ids = [h._actor_id.hex() for h in self.handles]  # a Ray ActorHandle keeps its id there
         return f"{self.name} rank {ids.index(actor_id)}" if actor_id in ids else f"a {self.name} rank"
+
+
+def _failed_input(err: Exception) -> str | None:
+    """The task whose result a failed call could not read as its argument (e.g. an item of a stream that
+    raised), from Ray's report of the call; None when the call itself failed. Ray passes the argument's error on
+    as the call's cause and names the producing task only in its text."""
+    report = str(err)
+    if "input arguments for this task could not be computed" not in report:
+        return None
+    names = re.findall(r"ray::([\w.]+)\(\)", report)
+    return f"{names[1]}()" if len(names) > 1 else "the task that produced it"
 
 
 def _refs(generator: Any, name: str) -> Iterator[Any]:
