@@ -18,7 +18,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 train: $(STAMP)
 	$(VENV)/bin/python -m recipes.train $(ARGS)

@@ -264,12 +264,18 @@ class Rollout:
 
 
 def _materialized(bucket: WeightBucket) -> list[tuple[str, Any]]:
-    """The (name, tensor) pairs of a bucket, read from the object store when it is a ref."""
+    """The (name, tensor) pairs of a bucket, read from the object store when it is a ref (a RoleError naming the
+    task that failed to make it, or the wait)."""
     if isinstance(bucket, list):
         return bucket
     import ray
 
-    return ray.get(bucket, timeout=CALL_TIMEOUT_S)
+    try:
+        return ray.get(bucket, timeout=CALL_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError as err:
+        raise RoleError(f"a weight bucket was not ready within {CALL_TIMEOUT_S:.0f} s") from err
+    except ray.exceptions.RayTaskError as err:
+        raise RoleError(f"rollout.load_weights() could not read its input: {err}") from err
 
 
 def share_by_cost(costs: Sequence[int], num_workers: int) -> list[list[int]]:

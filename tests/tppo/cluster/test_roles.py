@@ -228,6 +228,14 @@ def test_a_failing_or_silent_stream_is_a_role_error(monkeypatch):
         ):
             for ref in group.stream(_Streamer.buckets, 3, 2, 0.0, 1):
                 sink.call(_Sink.load, None, ref)
+        # the disaggregated layout reads each bucket on the driver: the same failure, the producer named
+        with pytest.raises(
+            RoleError,
+            match=r"(?s)^rollout\.load_weights\(\) could not read its input: .*_Streamer\.buckets\(\).*"
+            r"rank 0: bucket 2 cannot be gathered",
+        ):
+            for ref in group.stream(_Streamer.buckets, 3, 2, 0.0, 0):
+                roles._materialized(ref)
         monkeypatch.setattr(roles, "CALL_TIMEOUT_S", 1.0)
         with pytest.raises(RoleError, match=r"^policy\.buckets\(\) did not finish within 1 s"):
             list(group.stream(_Streamer.buckets, 2, -1, 5.0))
