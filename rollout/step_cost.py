@@ -89,7 +89,7 @@ class PrefillBudget:
     unmet_steps: int = 0
     _X: list[np.ndarray] = field(default_factory=list)
     _y: list[float] = field(default_factory=list)
-    _tiles: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    _chunks: tuple[np.ndarray, np.ndarray] | None = None  # chunk sizes and their expected prefill tiles
 
     def record(self, shape: StepShape, seconds: float) -> None:
         self._X.append(shape.features())
@@ -160,13 +160,13 @@ class PrefillBudget:
         return chosen
 
     def _chunk_tiles(self, floor: int) -> tuple[np.ndarray, np.ndarray]:
-        """Chunk sizes floor, 2 floor, ..., max_tokens and their expected prefill tiles over the MoE layers."""
-        if floor in self._tiles:
-            return self._tiles[floor]
-        sizes = list(range(floor, self.max_tokens, floor)) + [self.max_tokens]
-        tiles = [
-            self.num_moe_layers * expected_tiles(p, self.num_experts, self.top_k, BLOCK_M_PREFILL)
-            for p in sizes
-        ]
-        self._tiles[floor] = np.asarray(sizes, dtype=np.float64), np.asarray(tiles)
-        return self._tiles[floor]
+        """Chunk sizes floor, 2 floor, ..., max_tokens and their expected prefill tiles over the MoE layers (the
+        same for every step: computed once)."""
+        if self._chunks is None:
+            sizes = list(range(floor, self.max_tokens, floor)) + [self.max_tokens]
+            tiles = [
+                self.num_moe_layers * expected_tiles(p, self.num_experts, self.top_k, BLOCK_M_PREFILL)
+                for p in sizes
+            ]
+            self._chunks = np.asarray(sizes, dtype=np.float64), np.asarray(tiles)
+        return self._chunks

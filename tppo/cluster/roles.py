@@ -133,7 +133,7 @@ class RankGroup:
         except ray.exceptions.GetTimeoutError as err:
             raise RoleError(f"{self.name}.{name}() did not finish within {CALL_TIMEOUT_S:.0f} s") from err
         except ray.exceptions.RayTaskError as err:
-            producer = _failed_input(err)
+            producer = _failed_input(err, name)
             if producer is not None:
                 raise RoleError(
                     f"{self.name}.{name}() could not read its input: {producer} failed: "
@@ -153,15 +153,17 @@ class RankGroup:
         return f"{self.name} rank {ids.index(actor_id)}" if actor_id in ids else f"a {self.name} rank"
 
 
-def _failed_input(err: Exception) -> str | None:
-    """The task whose result a failed call could not read as its argument (e.g. an item of a stream that
-    raised), from Ray's report of the call; None when the call itself failed. Ray passes the argument's error on
-    as the call's cause and names the producing task only in its text."""
+def _failed_input(err: Exception, name: str) -> str | None:
+    """The task whose result a call to `name` could not read (e.g. an item of a stream that raised, passed as an
+    argument or read with ray.get), from Ray's report; None when the call itself failed. Ray passes the
+    producer's error on as the call's cause and names the producing task only in its text."""
     report = str(err)
-    if "input arguments for this task could not be computed" not in report:
-        return None
     names = re.findall(r"ray::([\w.]+)\(\)", report)
-    return f"{names[1]}()" if len(names) > 1 else "the task that produced it"
+    if "input arguments for this task could not be computed" in report:
+        return f"{names[1]}()" if len(names) > 1 else "the task that produced it"
+    if names and names[0].rsplit(".", 1)[-1] != name:
+        return f"{names[0]}()"
+    return None
 
 
 def _refs(generator: Any, name: str) -> Iterator[Any]:
@@ -250,7 +252,8 @@ class Rollout:
             self.ranks.call(RolloutWorker.load_weights, None, bucket)
             return
         held = [seat.experts for seat in self.seats if seat.experts is not None]
-        dense, experts = split_weights(_materialized(bucket), held)
+        with self.ranks._role_errors("load_weights"):
+            dense, experts = split_weights(_materialized(bucket), held)
         by_range = dict(zip(held, experts))
         parts = [(dense if seat.experts is None else by_range[seat.experts],) for seat in self.seats]
         self.ranks.call(RolloutWorker.load_weights, parts)
@@ -264,18 +267,12 @@ class Rollout:
 
 
 def _materialized(bucket: WeightBucket) -> list[tuple[str, Any]]:
-    """The (name, tensor) pairs of a bucket, read from the object store when it is a ref (a RoleError naming the
-    task that failed to make it, or the wait)."""
+    """The (name, tensor) pairs of a bucket, read from the object store when it is a ref."""
     if isinstance(bucket, list):
         return bucket
     import ray
 
-    try:
-        return ray.get(bucket, timeout=CALL_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError as err:
-        raise RoleError(f"a weight bucket was not ready within {CALL_TIMEOUT_S:.0f} s") from err
-    except ray.exceptions.RayTaskError as err:
-        raise RoleError(f"rollout.load_weights() could not read its input: {err}") from err
+    return ray.get(bucket, timeout=CALL_TIMEOUT_S)
 
 
 def share_by_cost(costs: Sequence[int], num_workers: int) -> list[list[int]]:
