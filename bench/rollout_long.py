@@ -237,8 +237,13 @@ def run_windows(
 # --------------------------------------------------------------------------------------------- metrics
 def roofline(steps: list[StepTrace], parts: dict, args) -> dict:
     """Mean floor / measured time per step, over decode-only steps, the long ones among them, and mixed steps
-    (for mixed steps the floor ignores the prefill chunk's compute, so it is a loose bound there)."""
-    with_rows = [(s, step_floor_bytes(s, parts) / args.bandwidth) for s in steps if s.num_decode]
+    (for mixed steps the floor ignores the prefill chunk's compute, so it is a loose bound there); steps that
+    captured a CUDA graph are left out."""
+    with_rows = [
+        (s, step_floor_bytes(s, parts) / args.bandwidth)
+        for s in steps
+        if s.num_decode and not s.captured_graph
+    ]
     decode_only = [(s, f) for s, f in with_rows if not s.num_prefill]
     long = [
         (s, f)
@@ -268,10 +273,11 @@ def roofline(steps: list[StepTrace], parts: dict, args) -> dict:
 
 
 def step_time_bins(steps: list[StepTrace], width: int) -> list[dict]:
-    """Median step time of decode-only and of mixed steps per bin of decoding rows ((k w, (k + 1) w])."""
+    """Median step time of decode-only and of mixed steps per bin of decoding rows ((k w, (k + 1) w]); steps
+    that captured a CUDA graph are left out (their time holds the capture)."""
     bins: dict[int, tuple[list[StepTrace], list[StepTrace]]] = {}
     for s in steps:
-        if s.num_decode:
+        if s.num_decode and not s.captured_graph:
             bins.setdefault((s.num_decode - 1) // width, ([], []))[bool(s.num_prefill)].append(s)
     out = []
     for k in sorted(bins):

@@ -88,6 +88,7 @@ class StepTrace:
     kv_positions: int  # positions in the blocks held after the step
     experts_touched: int  # distinct experts the step's tokens used, summed over MoE layers
     seconds: float
+    captured_graph: bool  # the step captured a CUDA graph, so `seconds` holds the capture too
 
 
 @dataclass
@@ -328,12 +329,14 @@ class RolloutEngine:
                 step = scheduler.next_step()
                 held = self.cache.table.num_used_blocks
                 inputs = self._inputs(step)
+                graphs = self.runner.num_graphs
                 t0 = time.perf_counter()
                 out = self.runner.run(inputs)
                 seconds = time.perf_counter() - t0
                 done += self._advance(step, out, scheduler)
-                self._count(stats, step, inputs, out, held, seconds)
-                if self.prefill_budget is not None:
+                captured = self.runner.num_graphs != graphs  # its time holds the capture (many steps' worth)
+                self._count(stats, step, inputs, out, held, seconds, captured)
+                if self.prefill_budget is not None and not captured:
                     self.prefill_budget.record(self._shape(inputs, out), seconds)
         stats.num_preemptions = scheduler.num_preemptions
         stats.num_generated_tokens = sum(len(r.tokens) for r in requests)
@@ -456,6 +459,7 @@ class RolloutEngine:
         out: StepOutputs,
         held: int,
         seconds: float,
+        captured: bool,
     ) -> None:
         """Step counts; `held` = the KV blocks held while the step ran."""
         n, prefill = len(step.decode), inputs.num_tokens - len(step.decode)
@@ -477,7 +481,9 @@ class RolloutEngine:
         if self.config.trace_steps:
             touched = int((layer_expert_counts(out.routes_TLK, self.spec.num_experts) > 0).sum())
             keys = int(inputs.tokens_T4[:n, POSITION].sum()) + n
-            stats.steps.append(StepTrace(n, prefill, keys, held * table.plan.block_size, touched, seconds))
+            stats.steps.append(
+                StepTrace(n, prefill, keys, held * table.plan.block_size, touched, seconds, captured)
+            )
 
     def _shape(self, inputs: StepInputs, out: StepOutputs) -> StepShape:
         """The step as the cost model reads it: its rows, keys, and each phase's MoE tiles from its routing."""

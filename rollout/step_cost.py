@@ -74,7 +74,7 @@ class StepShape:
 class PrefillBudget:
     """The fitted model and the budget rule (see the module docstring). `record` feeds it the engine's steps;
     it refits every `refit_every` steps once it has `min_steps`, at least `min_each` of them decode-only and
-    mixed; unfitted, the budget is `max_tokens`."""
+    mixed; unfitted, the budget is `max_tokens`. The engine does not record steps that captured a CUDA graph."""
 
     slowdown: float
     num_experts: int
@@ -85,6 +85,7 @@ class PrefillBudget:
     min_steps: int = 12
     min_each: int = 3
     refit_every: int = 8
+    outlier: float = 2.0
     coef: np.ndarray | None = None
     unmet_steps: int = 0
     _X: list[np.ndarray] = field(default_factory=list)
@@ -98,13 +99,19 @@ class PrefillBudget:
             self.refit()
 
     def refit(self) -> None:
-        """Non-negative least squares over the recorded steps (kept unfitted without both kinds of step)."""
-        X = np.stack(self._X)
+        """Non-negative least squares over the recorded steps (kept unfitted without both kinds of step), then
+        once more without the steps that took over `outlier` x the first fit's prediction: a step that paid a
+        one-off cost (a kernel's first-launch compile) would otherwise pull every coefficient up."""
+        X, y = np.stack(self._X), np.asarray(self._y)
         mixed = int((X[:, 4] > 0).sum())
         decode_only = int(((X[:, 1] > 0) & (X[:, 4] == 0)).sum())
         if min(mixed, decode_only) < self.min_each:
             return
-        self.coef, _ = nnls(X, np.asarray(self._y))
+        coef, _ = nnls(X, y)
+        typical = y <= self.outlier * (X @ coef)
+        if not typical.all() and typical.sum() >= self.min_steps:
+            coef, _ = nnls(X[typical], y[typical])
+        self.coef = coef
 
     def expected(self, rows: int, keys: int, prefill_tokens: int) -> StepShape:
         """A step's shape before it runs: its tiles at their expectation under uniform routing."""

@@ -12,6 +12,7 @@ from rollout_testlib import save_tiny_model
 
 from rollout import RolloutEngine, SamplingParams
 from rollout.config import RolloutConfig
+from rollout.runner import StepInputs, StepOutputs
 from rollout.step_cost import FEATURES, PrefillBudget, StepShape, phase_tiles
 
 COEF = np.array([2e-3, 1e-5, 2e-8, 4e-6, 3e-6, 2e-5])  # seconds: per step, row, key, decode tile, token, tile
@@ -41,6 +42,16 @@ def test_fit_recovers_the_coefficients_of_exact_steps():
         shape = model.expected(rows, int(rng.integers(0, 300_000)), p)
         model.record(shape, float(shape.features() @ COEF))
     assert model.coef is not None and len(model.coef) == len(FEATURES)
+    np.testing.assert_allclose(model.coef, COEF, rtol=1e-6, atol=1e-12)
+
+
+def test_fit_ignores_steps_that_paid_a_one_off_cost():
+    model, rng = _budget(), np.random.default_rng(2)
+    for i in range(64):
+        rows, p = int(rng.integers(1, 64)), int(rng.choice([0, int(rng.integers(1, 2000))]))
+        shape = model.expected(rows, int(rng.integers(0, 300_000)), p)
+        slow = 30.0 if i % 8 == 3 else 1.0  # e.g. a kernel compiled at its first launch
+        model.record(shape, slow * float(shape.features() @ COEF))
     np.testing.assert_allclose(model.coef, COEF, rtol=1e-6, atol=1e-12)
 
 
@@ -138,3 +149,40 @@ def test_engine_fits_its_cost_model_from_its_own_steps(tmp_path):
     engine.generate(prompts, SamplingParams(max_new_tokens=20, temperature=0))
     assert engine.prefill_budget.coef is not None and (engine.prefill_budget.coef >= 0).all()
     assert isinstance(engine.prefill_budget.expected(4, 100, 10), StepShape)
+
+
+class _CapturingRunner:
+    """The engine's runner, reporting a new CUDA graph on every third step (as a graph capture would)."""
+
+    def __init__(self, runner):
+        self.runner, self.calls, self.captured = runner, 0, []
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.captured)
+
+    def run(self, x: StepInputs) -> StepOutputs:
+        self.calls += 1
+        if self.calls % 3 == 0:
+            self.captured.append(self.calls)
+        return self.runner.run(x)
+
+
+def test_engine_does_not_fit_steps_that_captured_a_graph(tmp_path):
+    save_tiny_model("qwen3_moe", tmp_path, seed=3)
+    config = RolloutConfig(
+        max_model_len=128,
+        max_batch_size=4,
+        kv_cache_tokens=4 * 128,
+        max_step_tokens=32,
+        max_decode_slowdown=0.1,
+    )
+    engine = RolloutEngine.from_pretrained(tmp_path, config=config)
+    engine.runner = runner = _CapturingRunner(engine.runner)
+    recorded = []
+    engine.prefill_budget.record = lambda shape, seconds: recorded.append(shape)
+    engine.generate([[5, 6, 7, 8]] * 6, SamplingParams(max_new_tokens=10, temperature=0))
+    assert runner.calls > 6 and len(recorded) == runner.calls - len(runner.captured)
