@@ -5,14 +5,14 @@ data=synthetic` loads it and prints the per-problem table."""
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from recipe_testlib import run, train_cmd
 
-ROOT = Path(__file__).resolve().parents[2]
 HEADER = ["problem", "correct", "majority", "(votes)", "reference", "cons"]
 
 # The default recipe's policy, built in-process (one rank, no Ray) and exported as the run's checkpoints
@@ -35,17 +35,9 @@ export_policy(Trainer(group, micro_batch_size=2, routing=False), build_task(cfg)
 """
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "RAY_AUTH_MODE": "disabled", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-
-
-def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
-
-
 def _eval(checkpoint: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "recipes.eval", f"checkpoint={checkpoint}", "data=synthetic", "n=4"]
-    return _run([*cmd, "device=cpu", f"output_dir={out}", "logging=disabled", *extra])
+    return run([*cmd, "device=cpu", f"output_dir={out}", "logging=disabled", *extra])
 
 
 def _check_table(printed: str, out_dir: Path) -> None:
@@ -63,7 +55,7 @@ def _check_table(printed: str, out_dir: Path) -> None:
 
 def test_the_exported_policy_evaluates_on_the_countdown(tmp_path):
     export = tmp_path / "policy_hf"
-    made = _run([sys.executable, "-c", EXPORT, str(export)])
+    made = run([sys.executable, "-c", EXPORT, str(export)])
     assert made.returncode == 0, made.stderr[-3000:]
     assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= {p.name for p in export.iterdir()}
     done = _eval(export, tmp_path / "eval", "run_name=countdown")
@@ -73,29 +65,17 @@ def test_the_exported_policy_evaluates_on_the_countdown(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_a_trained_run_directory_evaluates_on_its_own_task(tmp_path):
+def test_a_trained_run_directory_evaluates_on_its_own_task(tmp_path, default_run):
     """`make train` then `python -m recipes.eval checkpoint=runs/default data=synthetic n=4`, on a short
     run."""
-    train = [
-        sys.executable,
-        "-m",
-        "recipes.train",
-        f"run.output_dir={tmp_path}",
-        "run.name=default",
-        "run.num_steps=2",
-        "algo.warm_start_steps=3",
-        "algo.critic_warmup_steps=1",
-        "algo.batch_size=8",
-        "logging.wandb=disabled",
-        "logging.progress=false",
-    ]
-    trained = _run(train)
-    assert trained.returncode == 0, trained.stderr[-3000:]
+    shutil.copytree(
+        default_run, tmp_path / "default"
+    )  # the refused re-run below must not touch the shared run
     done = _eval(tmp_path / "default", tmp_path / "eval")
     assert done.returncode == 0, done.stderr[-3000:]
-    _check_table(done.stdout, tmp_path / "eval" / "default-step_000001-synthetic")
+    _check_table(done.stdout, tmp_path / "eval" / "default-step_000004-synthetic")
     # The run's checkpoint also keeps the settings it was written with: a re-run with another batch size is
     # refused.
-    refused = _run([*train, "algo.batch_size=4"])
+    refused = run([*train_cmd(tmp_path, "default"), "algo.batch_size=4"])
     assert refused.returncode == 2 and refused.stderr.startswith("error: cannot resume: ")
     assert "(algo.batch_size=8 now 4); to start afresh, pick a new run.name" in refused.stderr

@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from recipe_testlib import ROOT, recipe_env, run, train_cmd
 
-ROOT = Path(__file__).resolve().parents[2]
 # Timing keys differ between any two runs; everything else must match step for step.
 VOLATILE = (
     "time",
@@ -25,32 +25,6 @@ VOLATILE = (
     "relibra/exec_apply_s",
     "relibra/exec_expert_fwd_ms",
 )
-
-
-def _cmd(out: Path, name: str, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "recipes.train",
-        f"run.output_dir={out}",
-        f"run.name={name}",
-        "run.num_steps=5",
-        "run.save_every=2",
-        "algo.warm_start_steps=3",
-        "algo.critic_warmup_steps=1",
-        "algo.batch_size=8",
-        "logging.wandb=disabled",
-        "logging.progress=false",
-        *extra,
-    ]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
-
-
-def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def _comparable(path: Path) -> list[dict]:
@@ -76,11 +50,8 @@ def _close(a: dict, b: dict) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_default_recipe_runs_and_resumes_after_kill(tmp_path):
-    ref = _run(_cmd(tmp_path, "uninterrupted"))
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    run = tmp_path / "uninterrupted"
-    summary = json.loads((run / "summary.json").read_text())
+def test_default_recipe_runs_and_resumes_after_kill(tmp_path, default_run):
+    summary = json.loads((default_run / "summary.json").read_text())
     for key in (
         "reward_first",
         "reward_last",
@@ -92,17 +63,17 @@ def test_default_recipe_runs_and_resumes_after_kill(tmp_path):
     ):
         assert key in summary
     assert summary["steps"] == 5 and summary["tokens_per_s"] > 0
-    assert (run / "checkpoints" / "latest").read_text() == "step_000004"
-    ref_rows = _comparable(run / "metrics.jsonl")
+    assert (default_run / "checkpoints" / "latest").read_text() == "step_000004"
+    ref_rows = _comparable(default_run / "metrics.jsonl")
     assert [r["step"] for r in ref_rows] == [0, 1, 2, 3, 4]
 
     # Kill -9 once the first checkpoint (after step 1) is complete, then re-run the very same command. This
     # run also time-shares the devices (offload on, as colocated GPU runs do): the numbers must not change.
-    cmd = _cmd(tmp_path, "killed", "cluster.offload=on")
+    cmd = train_cmd(tmp_path, "killed", "cluster.offload=on")
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
-        env=_env(),
+        env=recipe_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -119,7 +90,7 @@ def test_default_recipe_runs_and_resumes_after_kill(tmp_path):
     assert still_running, "the run finished before the kill: nothing would be resumed"
     logged = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
     assert len(logged) < 5 and not (tmp_path / "killed" / "checkpoints" / "step_000004").exists()
-    resumed = _run(cmd)
+    resumed = run(cmd)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout + resumed.stderr
     rows = _comparable(tmp_path / "killed" / "metrics.jsonl")
@@ -130,32 +101,32 @@ def test_default_recipe_runs_and_resumes_after_kill(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_a_torn_newest_checkpoint_resumes_from_the_one_before(tmp_path):
+def test_a_torn_newest_checkpoint_resumes_from_the_one_before(tmp_path, default_run):
     """A shard of the newest checkpoint cut short (a copy that broke off, a full disk): the re-run says which
     checkpoint it skips and why, resumes from the one before and finishes the run."""
-    cmd = _cmd(tmp_path, "torn", "run.num_steps=4")
-    first = _run(cmd)
-    assert first.returncode == 0, first.stderr[-3000:]
-    shard = tmp_path / "torn" / "checkpoints" / "step_000003" / "policy_rank1.pt"
+    shutil.copytree(default_run, tmp_path / "torn")  # a finished run, as if the user had named it so
+    cmd = train_cmd(tmp_path, "torn")
+    shard = tmp_path / "torn" / "checkpoints" / "step_000004" / "policy_rank1.pt"
     size = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[: size // 3])
-    again = _run(cmd)
+    again = run(cmd)
     assert again.returncode == 0, again.stderr[-3000:]
     said = again.stdout + again.stderr
     assert (
         f"skipping checkpoint {shard.parent}: policy_rank1.pt has {size // 3} bytes, {size} were written"
         in said
     )
-    assert f"resuming from {shard.parent.parent / 'step_000001'} (step 1)" in said
-    rows = [json.loads(line) for line in (tmp_path / "torn" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert f"resuming from {shard.parent.parent / 'step_000003'} (step 3)" in said
+    rows = _comparable(tmp_path / "torn" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert _close(rows[4], _comparable(default_run / "metrics.jsonl")[4])  # step 4 again, the same numbers
     # Every checkpoint unusable: refused with one line, the run's files left as they are.
     for ckpt in (tmp_path / "torn" / "checkpoints").glob("step_*"):
         (ckpt / "driver.pt").write_bytes(b"not a checkpoint")
-    refused = _run(cmd)
+    refused = run(cmd)
     assert refused.returncode != 0 and "error: cannot resume: no usable checkpoint in" in refused.stderr
     assert "Traceback" not in refused.stderr
-    assert len((tmp_path / "torn" / "metrics.jsonl").read_text().splitlines()) == 4
+    assert len((tmp_path / "torn" / "metrics.jsonl").read_text().splitlines()) == 5
 
 
 @pytest.mark.slow
@@ -163,7 +134,9 @@ def test_a_torn_newest_checkpoint_resumes_from_the_one_before(tmp_path):
 def test_kl_penalty_runs_a_frozen_reference_policy(tmp_path):
     """With algo.kl_coef a reference role holds the policy as RL starts: the first update sees KL = 0 (same weights,
     same replayed routing), the second a positive KL; the reference is written once into the run directory."""
-    done = _run(_cmd(tmp_path, "kl", "algo.kl_coef=0.05", "algo.critic_warmup_steps=0", "run.num_steps=3"))
+    done = run(
+        train_cmd(tmp_path, "kl", "algo.kl_coef=0.05", "algo.critic_warmup_steps=0", "run.num_steps=3")
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["tppo/kl"] == pytest.approx(0.0, abs=1e-6)
@@ -186,7 +159,7 @@ def test_a_reference_on_deepspeed_zero3_offload_starts_as_the_megatron_policy(tm
         "backend.reference.offload_param=true",
     ]
     args = ("algo.kl_coef=0.05", "algo.critic_warmup_steps=0", "run.num_steps=3", *reference)
-    done = _run(_cmd(tmp_path, "klds", *args))
+    done = run(train_cmd(tmp_path, "klds", *args))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "klds" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["tppo/kl"] == pytest.approx(0.0, abs=1e-6)
@@ -194,35 +167,35 @@ def test_a_reference_on_deepspeed_zero3_offload_starts_as_the_megatron_policy(tm
     assert (tmp_path / "klds" / "reference" / "hf" / "config.json").is_file()
 
 
+@pytest.fixture(scope="module")
+def t07_exact(tmp_path_factory) -> list[dict]:
+    """One run for two independent settings (rollout.temperature=0.7, algo.bootstrap=exact): its metric rows."""
+    root = tmp_path_factory.mktemp("t07")
+    args = ("rollout.temperature=0.7", "algo.bootstrap=exact", "algo.critic_warmup_steps=0")
+    done = run(train_cmd(root, "t07_exact", *args, "run.num_steps=3"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (root / "t07_exact" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    return rows
+
+
 @pytest.mark.slow
 @pytest.mark.dist
-def test_the_trainer_scores_tokens_at_the_rollouts_sampling_temperature(tmp_path):
+def test_the_trainer_scores_tokens_at_the_rollouts_sampling_temperature(t07_exact):
     """At rollout.temperature=0.7 the trainer's old log-probs equal the rollout engine's (both of softmax(z / T)):
     fp32 on CPU, the mismatch is rounding only."""
-    done = _run(
-        _cmd(tmp_path, "t07", "rollout.temperature=0.7", "algo.critic_warmup_steps=0", "run.num_steps=3")
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "t07" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 3
-    for row in rows:
+    for row in t07_exact:
         assert row["mismatch/abs_diff"] <= 1e-4, row["mismatch/abs_diff"]
         assert row["mismatch/abs_diff_max"] <= 1e-3
 
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_exact_bootstrap_trains_end_to_end(tmp_path):
+def test_exact_bootstrap_trains_end_to_end(t07_exact):
     """algo.bootstrap=exact bootstraps cut windows with the critic's value after their last token."""
-    done = _run(
-        _cmd(tmp_path, "exact", "algo.bootstrap=exact", "algo.critic_warmup_steps=0", "run.num_steps=2")
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "exact" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all(
-        math.isfinite(r["tppo/adv_abs_max"]) and r["tppo/adv_abs_max"] > 0 for r in rows
-    )
-    assert all(r["rollout/cut_fraction"] > 0 for r in rows)  # some windows were cut: the bootstrap was used
+    assert all(math.isfinite(r["tppo/adv_abs_max"]) and r["tppo/adv_abs_max"] > 0 for r in t07_exact)
+    # some windows were cut: the bootstrap was used
+    assert all(r["rollout/cut_fraction"] > 0 for r in t07_exact)
 
 
 @pytest.mark.slow
@@ -230,8 +203,8 @@ def test_exact_bootstrap_trains_end_to_end(tmp_path):
 def test_mini_batches_and_epochs_take_several_clipped_steps(tmp_path):
     """algo.mini_batches=2 x algo.epochs=2: four optimizer steps per update; after the first the policy has moved
     from the old one, so the ratio leaves 1 and PPO's clip acts (one step per update never clips)."""
-    done = _run(
-        _cmd(
+    done = run(
+        train_cmd(
             tmp_path,
             "mb",
             "algo.mini_batches=2",
@@ -254,6 +227,6 @@ def test_mini_batches_and_epochs_take_several_clipped_steps(tmp_path):
 @pytest.mark.slow
 @pytest.mark.dist
 def test_bad_override_fails_before_anything_starts(tmp_path):
-    result = _run(_cmd(tmp_path, "bad", "algo.window=0"), timeout=120)
+    result = run(train_cmd(tmp_path, "bad", "algo.window=0"), timeout=120)
     assert result.returncode == 2
     assert "algo.window=0 is not allowed" in result.stderr and "Traceback" not in result.stderr
