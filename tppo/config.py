@@ -157,6 +157,16 @@ def _algo_rules(c: ExperimentConfig) -> str | None:
         return "algo.dynamic_sampling needs algo.group_size >= 2 (a group of one always has equal rewards)"
     if a.overlong_buffer >= a.max_response_length:
         return f"algo.overlong_buffer={a.overlong_buffer} must be below algo.max_response_length"
+    if a.old_logprobs == "update" and a.mini_batches * a.epochs > 1:
+        return (
+            f"algo.old_logprobs=update needs one optimizer step per update (algo.mini_batches={a.mini_batches}, "
+            f"algo.epochs={a.epochs}): after the first step the weights are no longer the old policy's"
+        )
+    if a.old_logprobs == "update" and a.routing_replay == "r2":
+        return (
+            "algo.old_logprobs=update cannot run with algo.routing_replay=r2: its replayed routing is recorded by "
+            "a forward pass before the update"
+        )
     return None
 
 

@@ -102,6 +102,37 @@ def test_bad_values_raise_config_error_naming_the_key(override, expected):
         compose("train", [override])
 
 
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["algo.old_logprobs=update", "algo.mini_batches=2"],
+            "algo.old_logprobs=update needs one optimizer step per update (algo.mini_batches=2, algo.epochs=1)",
+        ),
+        (["algo.old_logprobs=update", "algo.epochs=3"], "(algo.mini_batches=1, algo.epochs=3)"),
+        (
+            ["algo.old_logprobs=update", "algo.routing_replay=r2"],
+            "algo.old_logprobs=update cannot run with algo.routing_replay=r2",
+        ),
+    ],
+)
+def test_old_logprobs_from_the_update_refuse_updates_of_several_steps_and_r2(overrides, expected):
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        compose("train", overrides)
+
+
+def test_old_logprobs_auto_come_from_a_one_step_update_without_r2():
+    assert compose("train", []).algo.old_logprobs_from_update
+    assert compose("train", ["algo.old_logprobs=update"]).algo.old_logprobs_from_update
+    for overrides in (
+        ["algo.epochs=2"],
+        ["algo.mini_batches=2"],
+        ["algo.routing_replay=r2"],
+        ["algo.old_logprobs=pass"],
+    ):
+        assert not compose("train", overrides).algo.old_logprobs_from_update, overrides
+
+
 def _check(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "recipes.check", *args],

@@ -27,6 +27,12 @@ VOLATILE = (
 )
 
 
+def _old_logprobs_passes(run_dir: Path) -> int:
+    """Steps of a run that timed an old-log-prob pass of its own."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return sum("perf/old_logprobs_s" in r for r in rows)
+
+
 def _comparable(path: Path) -> list[dict]:
     rows = []
     for line in path.read_text().splitlines():
@@ -68,8 +74,10 @@ def test_default_recipe_runs_and_resumes_after_kill(tmp_path, default_run):
     assert [r["step"] for r in ref_rows] == [0, 1, 2, 3, 4]
 
     # Kill -9 once the first checkpoint (after step 1) is complete, then re-run the very same command. This
-    # run also time-shares the devices (offload on, as colocated GPU runs do): the numbers must not change.
-    cmd = train_cmd(tmp_path, "killed", "cluster.offload=on")
+    # run also time-shares the devices (offload on, as colocated GPU runs do) and computes the old log-probs in
+    # a pass of their own, where the default run takes them from its one-step updates: the numbers must not
+    # change.
+    cmd = train_cmd(tmp_path, "killed", "cluster.offload=on", "algo.old_logprobs=pass")
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -95,6 +103,7 @@ def test_default_recipe_runs_and_resumes_after_kill(tmp_path, default_run):
     assert "resuming from" in resumed.stdout + resumed.stderr
     rows = _comparable(tmp_path / "killed" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert _old_logprobs_passes(tmp_path / "killed") > 0 and _old_logprobs_passes(default_run) == 0
     for a, b in zip(rows, ref_rows):
         assert _close(a, b), f"step {a['step']} differs after resume:\n{a}\n{b}"
 

@@ -134,10 +134,9 @@ def test_engine_with_a_budget_gives_the_same_outputs_within_each_steps_budget(tm
     assert any(s.num_prefill < 64 - s.num_decode for s in mixed)  # the budget, not max_step_tokens, bound
 
 
-def test_engine_fits_its_cost_model_from_its_own_steps(tmp_path):
-    save_tiny_model("qwen3_moe", tmp_path, seed=3)
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, 96, size=n).tolist() for n in rng.integers(5, 60, size=12)]
+def _budgeted_engine(path) -> RolloutEngine:
+    """A tiny engine with max_decode_slowdown=0.1 and room for 4 sequences of 128 positions."""
+    save_tiny_model("qwen3_moe", path, seed=3)
     config = RolloutConfig(
         max_model_len=128,
         max_batch_size=4,
@@ -145,7 +144,13 @@ def test_engine_fits_its_cost_model_from_its_own_steps(tmp_path):
         max_step_tokens=32,
         max_decode_slowdown=0.1,
     )
-    engine = RolloutEngine.from_pretrained(tmp_path, config=config)
+    return RolloutEngine.from_pretrained(path, config=config)
+
+
+def test_engine_fits_its_cost_model_from_its_own_steps(tmp_path):
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 96, size=n).tolist() for n in rng.integers(5, 60, size=12)]
+    engine = _budgeted_engine(tmp_path)
     engine.generate(prompts, SamplingParams(max_new_tokens=20, temperature=0))
     assert engine.prefill_budget.coef is not None and (engine.prefill_budget.coef >= 0).all()
     assert isinstance(engine.prefill_budget.expected(4, 100, 10), StepShape)
@@ -172,15 +177,7 @@ class _CapturingRunner:
 
 
 def test_engine_does_not_fit_steps_that_captured_a_graph(tmp_path):
-    save_tiny_model("qwen3_moe", tmp_path, seed=3)
-    config = RolloutConfig(
-        max_model_len=128,
-        max_batch_size=4,
-        kv_cache_tokens=4 * 128,
-        max_step_tokens=32,
-        max_decode_slowdown=0.1,
-    )
-    engine = RolloutEngine.from_pretrained(tmp_path, config=config)
+    engine = _budgeted_engine(tmp_path)
     engine.runner = runner = _CapturingRunner(engine.runner)
     recorded = []
     engine.prefill_budget.record = lambda shape, seconds: recorded.append(shape)

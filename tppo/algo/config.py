@@ -59,5 +59,20 @@ class AlgoConfig:
         "micro-batches, at most one per micro-batch)",
     )
     epochs: int = spec(1, ge=1, help="passes over the step's batch, micro-batches reshuffled each pass")
+    old_logprobs: str = spec(
+        "auto",
+        choices=("auto", "pass", "update"),
+        help="the policy's pre-update log-probs: from a forward pass of their own before the update (pass), or "
+        "from the update's own forward, which still runs the old weights when the update is one optimizer step "
+        "(update: needs algo.mini_batches = algo.epochs = 1 and routing_replay other than r2, whose routing that "
+        "pass records); auto: update where it can, else pass",
+    )
     actor_optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
     critic_optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-6))
+
+    @property
+    def old_logprobs_from_update(self) -> bool:
+        """Whether the update's forward gives the old log-probs (algo.old_logprobs; see its help)."""
+        if self.old_logprobs == "auto":
+            return self.mini_batches * self.epochs == 1 and self.routing_replay != "r2"
+        return self.old_logprobs == "update"

@@ -26,6 +26,9 @@ class PolicyObjective:
     `loss_agg` reduces the clip, entropy and KL terms: "token_mean" over all current-window tokens of the batch (the
     spec's default), or "sample_mean" (each sample's window token mean, then the mean over the batch's samples);
     the positive-example LM loss is always VAPO's token mean.
+
+    With `old_from_forward` the old log-probs are this forward's own, detached (algo.old_logprobs=update: the one
+    optimizer step of an update runs the old weights, so the ratio is 1 and the gradient PPO's at the old policy).
     """
 
     num_window_tokens: int  # all current-window tokens of the training batch
@@ -41,6 +44,7 @@ class PolicyObjective:
     entropy_coef: float = 0.0
     kl_coef: float = 0.0  # + kl_coef * KL(pi || pi_ref) on the window's tokens
     kl_estimator: str = "k3"
+    old_from_forward: bool = False
 
     def _count(self) -> int:
         """The batch-level count that `loss_agg` divides by: window tokens or window samples."""
@@ -51,9 +55,10 @@ class PolicyObjective:
         mask = t.window_mask_BT
         count = self._count()
         agg = {"agg": self.loss_agg, "num_tokens": count, "num_samples": count}
+        old_BT = out.logprobs_BT.detach() if self.old_from_forward else t.old_logprobs_BT
         pg = ppo_clip_loss(
             out.logprobs_BT,
-            t.old_logprobs_BT,
+            old_BT,
             t.advantages_BT,
             mask,
             eps_low=self.eps_low,
@@ -163,6 +168,7 @@ def policy_objective(algo: AlgoConfig, batches: list[list[TrainBatch]]) -> Polic
         entropy_coef=algo.entropy_coef,
         kl_coef=algo.kl_coef,
         kl_estimator=algo.kl_estimator,
+        old_from_forward=algo.old_logprobs_from_update,
     )
 
 

@@ -424,14 +424,17 @@ class Trainer:
         schedule: Sequence[Sequence[int]] | None = None,
         plan: Plan | None = None,
         loads_MLSE: np.ndarray | None = None,
+        old_from_update: bool = False,
     ) -> list[StepResult]:
         """One optimizer step per entry of `schedule` (micro-batch indices, the same on every rank; None: one step
         over all) with the matching objective; rank 0's result of each step. ReLibra's `plan` places the experts
-        once; the ReLibra metrics and `plan_applied` ride on the last step's result."""
+        once; the ReLibra metrics and `plan_applied` ride on the last step's result. With `old_from_update` the
+        update's forward gives the old log-probs (`TrainerWorker.train`) and their mismatch metrics ride there
+        too."""
         if batches is not None:
             self.stage(batches)
-        extra = () if plan is None else (plan, loads_MLSE)
-        return self.ranks.call(TrainerWorker.train, None, list(objectives), schedule, *extra)[0]
+        args = (list(objectives), schedule, plan, loads_MLSE, old_from_update)
+        return self.ranks.call(TrainerWorker.train, None, *args)[0]
 
     def router_layout(self) -> RouterLayout:
         return self.ranks.call(TrainerWorker.router_layout)[0]

@@ -172,12 +172,16 @@ class TrainerWorker:
         batches = self._staged_batches()
         outs = self.forward(batches, record_routing=record_routing)
         store_old_logprobs(batches, outs, take_routing=record_routing)
+        loads = self._expert_counts(batches) if record_routing else None
+        return OldLogprobsReport(metrics=self._mismatch(batches), counts_MLE=loads)
+
+    def _mismatch(self, batches: list[TrainBatch]) -> dict[str, float]:
+        """The rollout/trainer log-prob mismatch of the whole batch (every rank's tokens, gathered in rank order)
+        on rank 0; empty elsewhere."""
         world = self.engine.groups.world
         parts: list | None = [None] * dist.get_world_size(world) if self.spec.rank == 0 else None
         dist.gather_object(mismatch_inputs(batches), parts, dst=dist.get_global_rank(world, 0), group=world)
-        metrics = rollout_mismatch(parts) if parts is not None else {}
-        loads = self._expert_counts(batches) if record_routing else None
-        return OldLogprobsReport(metrics=metrics, counts_MLE=loads)
+        return rollout_mismatch(parts) if parts is not None else {}
 
     def ref_logprobs(self, outs: Sequence[ForwardOutput]) -> None:
         """The reference policy's log-probs of the staged batches (its forward on the same micro-batches)."""
@@ -203,23 +207,36 @@ class TrainerWorker:
         schedule: Sequence[Sequence[int]] | None = None,
         plan: Plan | None = None,
         loads_MLSE: np.ndarray | None = None,
+        old_from_update: bool = False,
     ) -> list[StepResult]:
         """One optimizer step per entry of `schedule` (the staged micro-batches it lists; None: one step over all
         of them) with the matching objective; the staged batches are released afterwards. With a ReLibra `plan`
         the experts are placed by it once and every micro-batch, in the order the steps run it, is routed and
-        replicated by its own row of the plan."""
+        replicated by its own row of the plan. With `old_from_update` (one step over every staged micro-batch,
+        an objective that takes its old log-probs from its own forward) the step's log-probs are the old ones:
+        rank 0's last result carries their rollout/trainer mismatch, as `old_logprobs` reports it."""
         self._awake()
-        batches, self._staged = self._staged_batches(), None
+        batches = self._staged_batches()
         schedule = [list(range(len(batches)))] if schedule is None else [list(s) for s in schedule]
         if len(objectives) != len(schedule):
             raise ValueError(f"{len(objectives)} objectives for {len(schedule)} optimizer steps")
+        if old_from_update and (len(schedule) != 1 or sorted(schedule[0]) != list(range(len(batches)))):
+            raise ValueError(
+                f"old log-probs from the update need one optimizer step over every staged micro-batch, got {schedule}"
+            )
+        self._staged = None
         replay = _replayed(batches)
         order = [m for step in schedule for m in step]
         use_plan = plan is not None and self.executor is not None
         applied = use_plan and self._begin_plan(plan.select(order), loads_MLSE[order], len(order))
         try:
             results = [
-                self.engine.train_step([batches[m] for m in step], objective, require_replay=replay)
+                self.engine.train_step(
+                    [batches[m] for m in step],
+                    objective,
+                    require_replay=replay,
+                    keep_logprobs=old_from_update,
+                )
                 for step, objective in zip(schedule, objectives, strict=True)
             ]
         except BaseException:
@@ -233,6 +250,11 @@ class TrainerWorker:
             last.metrics |= (self.executor.end_step() if applied else {}) | {
                 "relibra/exec_refused": float(not applied)
             }
+        if old_from_update:
+            (step,) = schedule
+            outs, results[0].outputs = results[0].outputs, None
+            store_old_logprobs([batches[m] for m in step], outs, take_routing=False)
+            results[-1].metrics |= self._mismatch(batches)
         return results
 
     def _begin_plan(self, plan: Plan, loads_MLSE: np.ndarray, num_microbatches: int) -> bool:

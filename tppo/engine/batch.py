@@ -159,6 +159,9 @@ class StepResult:
     # With an expert placement plan (ReLibra's): whether the ranks applied it (False: they refused it together
     # and trained under the current placement). None when the step had no plan.
     plan_applied: bool | None = None
+    # With train_step(keep_logprobs=True): each micro-batch's log-probs of the step's forward, detached, on every
+    # rank (the worker keeps them; they do not travel back to the driver).
+    outputs: list[ForwardOutput] | None = None
 
 
 def replayed_ids(

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,10 +50,10 @@ from tppo.engine.hf_replay import HFRoutingReplay
 from tppo.engine.layout import RouterLayout
 from tppo.engine.logprobs import aligned_logprobs, aligned_values
 from tppo.engine.replay import check_routed_experts
+from tppo.engine.steps import LossFn, TrainSteps
 
 __all__ = ["DeepSpeedEngine", "DeepSpeedGroups", "ValueModel", "check_zero", "deepspeed_config"]
 
-LossFn = Callable[[ForwardOutput, TrainBatch], LossOutput]
 _LAYER = re.compile(r"^(.*?layers\.\d+)\.")
 
 
@@ -135,7 +135,7 @@ def _start_distributed(cuda: bool) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(TrainSteps):
     """A policy (log-probs) or critic (values) transformers model under DeepSpeed ZeRO, with the LR schedule."""
 
     def __init__(
@@ -346,23 +346,27 @@ class DeepSpeedEngine:
             outs.append(out)
         return outs
 
-    def forward_backward(
-        self, batches: Sequence[TrainBatch], loss_fn: LossFn, *, require_replay: bool = False
-    ) -> tuple[float, dict[str, float]]:
-        """Run every micro-batch forward and backward (gradients of the raw loss_sum, reduced by ZeRO).
-
-        Returns the step's loss  sum(loss_sum) / sum(denominator)  over micro-batches and ranks, and the loss
-        callable's metrics averaged over this rank's micro-batches. `optimizer_step` divides the gradients.
-        """
+    def _forward_backward(
+        self,
+        batches: Sequence[TrainBatch],
+        loss_fn: LossFn,
+        *,
+        require_replay: bool,
+        keep_logprobs: bool = False,
+    ) -> tuple[float, dict[str, float], list[ForwardOutput] | None]:
+        """forward_backward, and with `keep_logprobs` each micro-batch's detached log-probs."""
         if not self.trainable:
             raise RuntimeError("this engine is forward-only (optimizer='none'): it cannot train")
         self._awake()
         self.ds.train()
         ready = self._prepare_all(batches, record=False, require_replay=require_replay)
-        self._store = []
+        self._store, kept = [], []
         for i, batch in enumerate(ready):
             x, _ = self._run_model(batch, record=False)
-            lo = loss_fn(self._per_token(batch, x, with_entropy=True), batch)
+            out = self._per_token(batch, x, with_entropy=True)
+            lo = loss_fn(out, batch)
+            if keep_logprobs:
+                kept.append(ForwardOutput(logprobs_BT=out.logprobs_BT.detach()))
             if not isinstance(lo, LossOutput):
                 raise TypeError(f"the loss callable must return a LossOutput, got {type(lo).__name__}")
             den = torch.as_tensor(lo.denominator, dtype=torch.float64).reshape(())
@@ -373,7 +377,7 @@ class DeepSpeedEngine:
             # model output (all masks zero) is tied to it with a zero weight, so every rank runs the same backward.
             self.ds.set_gradient_accumulation_boundary(i == len(ready) - 1)
             self.ds.backward(lo.loss_sum + 0.0 * x.float().sum(), scale_wrt_gas=False)
-        return self._reduce_metrics(self._store)
+        return *self._reduce_metrics(self._store), (kept if keep_logprobs else None)
 
     def _reduce_metrics(self, store: list[dict]) -> tuple[float, dict[str, float]]:
         # [loss_sum, denominator, bad denominators] over every rank: a bad one anywhere stops all ranks here.
@@ -416,15 +420,6 @@ class DeepSpeedEngine:
         if not skipped:
             self.step_count += 1
         return StepResult(loss=float("nan"), grad_norm=grad_norm, lr=lr, skipped=skipped, num_microbatches=0)
-
-    def train_step(
-        self, batches: Sequence[TrainBatch], loss_fn: LossFn, *, require_replay: bool = False
-    ) -> StepResult:
-        """forward_backward, then one optimizer step (skipped if a gradient is not finite)."""
-        loss, metrics = self.forward_backward(batches, loss_fn, require_replay=require_replay)
-        result = self.optimizer_step()
-        result.loss, result.metrics, result.num_microbatches = loss, metrics, len(batches)
-        return result
 
     @property
     def lr(self) -> float:

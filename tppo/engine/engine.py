@@ -47,10 +47,11 @@ from tppo.engine.logprobs import aligned_logprobs, aligned_values
 from tppo.engine.model import BuiltModel, build_model, moe_layer_ids
 from tppo.engine.parallel import ParallelGroups, init_parallel
 from tppo.engine.replay import RouterReplayAction, check_routed_experts
+from tppo.engine.steps import LossFn, TrainSteps
 
 __all__ = ["LR_SCHEDULES", "MegatronEngine", "end_values", "lr_at", "unshare_adam_steps", "use_fused_adam"]
 
-LossFn = Callable[[ForwardOutput, TrainBatch], LossOutput]
+_KEPT = "logprobs_BT"  # the store entry of a micro-batch's kept log-probs (not a metric)
 
 LR_SCHEDULES: Registry[Callable[[int, OptimConfig, int | None], float]] = Registry("LR schedule")
 
@@ -153,7 +154,7 @@ class _MicroBatch:
     recorded_BTLK: torch.Tensor | None = None
 
 
-class MegatronEngine:
+class MegatronEngine(TrainSteps):
     """A policy (log-probs) or critic (values) model on Megatron-Core with its optimizer and LR schedule."""
 
     def __init__(
@@ -467,7 +468,13 @@ class MegatronEngine:
         return args, kwargs
 
     def _forward_step(
-        self, data_iterator: Iterator[_MicroBatch], model, *, loss_fn: LossFn | None, with_entropy: bool
+        self,
+        data_iterator: Iterator[_MicroBatch],
+        model,
+        *,
+        loss_fn: LossFn | None,
+        with_entropy: bool,
+        keep_logprobs: bool = False,
     ):
         mb = next(data_iterator)
         self._arm_routing(mb)
@@ -483,7 +490,7 @@ class MegatronEngine:
         if self._armed is not None:
             output = self.replay.mark_backward_begin(output, mb.replay_NK)
         self._armed = None
-        return output, partial(self._loss_func, mb, loss_fn, with_entropy)
+        return output, partial(self._loss_func, mb, loss_fn, with_entropy, keep_logprobs)
 
     def _recorded_local(self, mb: _MicroBatch) -> torch.Tensor:
         """This stage's recorded ids as [B, T, L_local, K] (gathered over sequence-parallel ranks)."""
@@ -502,6 +509,7 @@ class MegatronEngine:
         mb: _MicroBatch,
         loss_fn: LossFn | None,
         with_entropy: bool,
+        keep_logprobs: bool,
         output_tensor,
         non_loss_data: bool = False,
     ):
@@ -521,6 +529,8 @@ class MegatronEngine:
             den_t = torch.full((), float(den), dtype=torch.float64, device=dev)
         num = den_t.to(torch.int)
         metrics = {"loss_sum": lo.loss_sum.detach().to(torch.float64), "denominator": den_t, **lo.metrics}
+        if keep_logprobs:
+            metrics[_KEPT] = out.logprobs_BT.detach()
         # Every rank must run the same backward collectives (expert and sequence parallelism exchange tokens
         # in backward too). A loss that does not reach the model output, e.g. a micro-batch whose masks are all
         # zero, would skip them on one rank and hang the others: tie it to the output with a zero weight.
@@ -545,7 +555,15 @@ class MegatronEngine:
         out.routed_experts_BTLK = mb.recorded_BTLK
         return out
 
-    def _run(self, mbs: list[_MicroBatch], *, loss_fn: LossFn | None, forward_only: bool, with_entropy: bool):
+    def _run(
+        self,
+        mbs: list[_MicroBatch],
+        *,
+        loss_fn: LossFn | None,
+        forward_only: bool,
+        with_entropy: bool,
+        keep_logprobs: bool = False,
+    ):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if not mbs:
@@ -553,7 +571,12 @@ class MegatronEngine:
         seq = max(mb.input_ids_BS.shape[1] for mb in mbs)
         try:
             return get_forward_backward_func()(
-                forward_step_func=partial(self._forward_step, loss_fn=loss_fn, with_entropy=with_entropy),
+                forward_step_func=partial(
+                    self._forward_step,
+                    loss_fn=loss_fn,
+                    with_entropy=with_entropy,
+                    keep_logprobs=keep_logprobs,
+                ),
                 data_iterator=iter(mbs),
                 model=[self._model_chunk],
                 num_microbatches=len(mbs),
@@ -616,21 +639,29 @@ class MegatronEngine:
         dist.broadcast_object_list(payload, src=src, group=self.groups.pp)
         return [to_device(o, self.groups.device) for o in payload[0]]
 
-    def forward_backward(
-        self, batches: Sequence[TrainBatch], loss_fn: LossFn, *, require_replay: bool = False
-    ) -> tuple[float, dict[str, float]]:
-        """Zero the gradients, run every micro-batch forward and backward, reduce the gradients.
-
-        Returns the step's loss  sum(loss_sum) / sum(denominator)  (over micro-batches and data-parallel
-        ranks) and the loss callable's metrics averaged over this rank's micro-batches.
-        """
+    def _forward_backward(
+        self,
+        batches: Sequence[TrainBatch],
+        loss_fn: LossFn,
+        *,
+        require_replay: bool,
+        keep_logprobs: bool = False,
+    ) -> tuple[float, dict[str, float], list[ForwardOutput] | None]:
+        """forward_backward, and with `keep_logprobs` each micro-batch's detached log-probs on every rank."""
         if not self.trainable:
             raise RuntimeError("this engine is forward-only (optimizer='none'): it cannot train")
         self.ddp.train()
         self.zero_grad()
         mbs = self._prepare_all(batches, record=False, require_replay=require_replay)
-        store = self._run(mbs, loss_fn=loss_fn, forward_only=False, with_entropy=True)
-        return self._reduce_metrics(store if self.groups.is_last_stage else [])
+        store = self._run(
+            mbs, loss_fn=loss_fn, forward_only=False, with_entropy=True, keep_logprobs=keep_logprobs
+        )
+        store = store if self.groups.is_last_stage else []
+        kept = None
+        if keep_logprobs:
+            outs = [ForwardOutput(logprobs_BT=m.pop(_KEPT)) for m in store] or [None] * len(mbs)
+            kept = self._from_last_stage(outs)
+        return *self._reduce_metrics(store), kept
 
     def _reduce_metrics(self, store: list[dict]) -> tuple[float, dict[str, float]]:
         # [loss_sum, denominator, denominators that are not whole numbers >= 0], summed over every rank, so
@@ -655,15 +686,6 @@ class MegatronEngine:
         keys = sorted({k for m in store for k in m} - {"loss_sum", "denominator"})
         metrics = {k: sum(float(m[k]) for m in store if k in m) / len(store) for k in keys} if store else {}
         return loss, metrics
-
-    def train_step(
-        self, batches: Sequence[TrainBatch], loss_fn: LossFn, *, require_replay: bool = False
-    ) -> StepResult:
-        """forward_backward, then one optimizer step (skipped if a gradient is not finite)."""
-        loss, metrics = self.forward_backward(batches, loss_fn, require_replay=require_replay)
-        result = self.optimizer_step()
-        result.loss, result.metrics, result.num_microbatches = loss, metrics, len(batches)
-        return result
 
     def zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()

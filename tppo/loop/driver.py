@@ -229,13 +229,17 @@ def update_policy(
     timer: PhaseTimer,
 ) -> dict[str, float]:
     """Old (and reference) log-probs of the whole batch, then the policy update (algo.mini_batches x algo.epochs
-    optimizer steps) under ReLibra's plan when there is one."""
-    with timer("old_logprobs"):
+    optimizer steps) under ReLibra's plan when there is one. With algo.old_logprobs from the update, its one
+    optimizer step's forward gives them, and no pass of their own runs."""
+    fused = cfg.algo.old_logprobs_from_update
+    # R2: the trainer's own pass records the experts the update then replays.
+    record = cfg.algo.routing_replay == "r2"
+    metrics: dict[str, float] = {}
+    with timer("policy_update" if fused else "old_logprobs"):
         roles.policy.stage(policy_in)  # the ranks keep the step's micro-batches until the update
-        # R2: the trainer's own pass records the experts the update then replays.
-        record = cfg.algo.routing_replay == "r2"
-        old = roles.policy.old_logprobs(record_routing=record)
-        metrics = dict(old.metrics)
+        if not fused:
+            old = roles.policy.old_logprobs(record_routing=record)
+            metrics |= old.metrics
     if record and roles.planner is not None:
         planning = roles.planner.start_loads(loads_from_ranks(old.counts_MLE, roles.planner.layout.ep))
     if roles.reference is not None:
@@ -246,7 +250,7 @@ def update_policy(
     with timer("policy_update"):
         schedule, objectives = optimizer_steps(policy_in, policy_objective, cfg, step, "policy")
         loads = step_plan.loads_MLSE if plan is not None else None
-        results = roles.policy.update(None, objectives, schedule, plan, loads)
+        results = roles.policy.update(None, objectives, schedule, plan, loads, old_from_update=fused)
         metrics |= update_metrics("tppo", results)
     if step_plan is not None:
         metrics |= step_plan.metrics

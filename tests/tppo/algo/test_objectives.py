@@ -100,3 +100,23 @@ def test_entropy_is_reported_without_a_bonus_and_the_loss_ignores_it():
     bonus = PolicyObjective(num_window_tokens=5, num_positive_tokens=0, entropy_coef=0.5)
     out = bonus(ForwardOutput(logprobs_BT=logprobs, entropy_BT=entropy), batch)
     assert float(out.loss_sum - with_entropy.loss_sum) == pytest.approx(-0.5 * 16 / 5 * 5)
+
+
+def test_old_logprobs_from_the_forward_give_the_policy_gradient_at_the_old_policy():
+    """With old_from_forward the old log-probs are the forward's own, detached, whatever the batch carries: the
+    ratio is 1, nothing clips, and the gradient is that of -A logp averaged over the window (closed form)."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 6, generator=g)
+    mask = (torch.rand(3, 6, generator=g) > 0.3).float()
+    adv = torch.randn(3, 6, generator=g) * 3  # large enough that any ratio away from 1 would clip
+    n = int(mask.sum())
+    batch = _batch(torch.full((3, 6), -9.0), None, mask)  # stale old log-probs: must not be read
+    batch.payload.advantages_BT = adv
+    objective = PolicyObjective(
+        num_window_tokens=n, num_positive_tokens=0, pos_lm_coef=0.0, old_from_forward=True
+    )
+    logprobs = torch.nn.functional.logsigmoid(logits.clone().requires_grad_())
+    out = objective(ForwardOutput(logprobs_BT=logprobs), batch)
+    (grad,) = torch.autograd.grad(out.loss_sum / n, logprobs)
+    torch.testing.assert_close(grad, -adv * mask / n)
+    assert out.metrics["tppo/ratio_max"] == 1.0 and out.metrics["tppo/clip_fraction"] == 0.0

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tppo.algo.objectives import SupervisedObjective, value_objective
+from tppo.algo.objectives import SupervisedObjective, policy_objective, value_objective
 from tppo.algo.pool import Sample
 from tppo.cluster.config import ClusterConfig
 from tppo.cluster.roles import RankGroup, RoleError, Trainer, start_trainers
@@ -158,6 +158,63 @@ def test_old_logprobs_stay_on_the_ranks_and_only_metrics_and_loads_come_back():
     expected = loads_from_batches(batches, layout, cfg.model.num_experts)
     np.testing.assert_array_equal(loads_from_ranks(old.counts_MLE, layout.ep), expected)
     assert expected.sum() > 0 and not result.skipped
+
+
+@pytest.mark.slow
+def test_old_logprobs_from_the_update_train_as_their_own_pass_does(tmp_path):
+    """Two expert-parallel policy ranks, one update of one optimizer step from the same saved state: with the old
+    log-probs from a pass of their own, then with them from the update's forward (no pass). Same loss, gradient
+    norm and mismatch metrics, and the policy moves the same (its log-probs after either update)."""
+    cfg = ExperimentConfig()
+    assert cfg.algo.old_logprobs_from_update  # the default recipe's one-step update
+    parallel = ParallelConfig(expert_parallel=2, micro_batch_size=2)
+    rng = np.random.default_rng(1)
+    samples, advantages = [], []
+    for i, n in enumerate((3, 5, 2, 4, 6, 3)):
+        s = Sample(
+            uid=str(i), group_id=0, prompt_uid="p", prompt_ids=rng.integers(1, 60, 3), max_response_length=8
+        )
+        s.max_new_tokens = n
+        s.add_window(rng.integers(1, 60, n), rng.normal(-2.0, 0.5, n))
+        samples.append(s)
+        advantages.append(rng.normal(0.0, 1.0, n))
+    shards = [tmp_path / f"policy_rank{r}.pt" for r in range(2)]
+    with ray_session(ClusterConfig(object_store_mb=100, cpus_per_node=2)):
+        optim = dataclasses.replace(cfg.algo.actor_optim, lr=1e-2)
+        group = start_trainers("policy", cfg.model, parallel, optim, 2, seed=0, total_steps=4)
+        policy = Trainer(group, micro_batch_size=2, routing=False)
+        batches = policy.policy_batches(samples, advantages)
+        fused = policy_objective(cfg.algo, batches)
+        before = policy.forward(batches)
+        policy.save(shards)
+        policy.stage(batches)
+        old = policy.old_logprobs()
+        (by_pass,) = policy.update(None, [dataclasses.replace(fused, old_from_forward=False)])
+        after_pass = policy.forward(batches)
+        policy.load(shards)
+        policy.stage(batches)
+        (by_update,) = policy.update(None, [fused], old_from_update=True)
+        after_update = policy.forward(batches)
+        policy.stage(batches)
+        with pytest.raises(RoleError, match="one optimizer step over every staged micro-batch"):
+            policy.update(None, [fused, fused], [[0], [1]], old_from_update=True)
+    assert old.metrics and by_pass.grad_norm > 0
+    for key, value in old.metrics.items():
+        assert by_update.metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    assert by_update.loss == pytest.approx(by_pass.loss, rel=1e-6)
+    assert by_update.grad_norm == pytest.approx(by_pass.grad_norm, rel=1e-5)
+    assert by_update.metrics["tppo/ratio_max"] == 1.0 and by_pass.metrics["tppo/ratio_max"] == pytest.approx(
+        1.0
+    )
+    for outs_a, outs_b in zip(after_pass, after_update):
+        for a, b in zip(outs_a, outs_b):
+            torch.testing.assert_close(a.logprobs_BT, b.logprobs_BT, rtol=1e-5, atol=1e-6)
+    moved = max(
+        float((a.logprobs_BT - b.logprobs_BT).abs().max())
+        for outs_a, outs_b in zip(after_pass, before)
+        for a, b in zip(outs_a, outs_b)
+    )
+    assert moved > 1e-3  # the update moved the policy: the agreement above is not that of two no-ops
 
 
 class _Streamer:

@@ -224,12 +224,15 @@ def layout_worker(
     engine.export_hf(export_dir, dtype=torch.float32, max_shard_bytes=50_000)
     batches = replica_batches[engine.groups.dp_rank]
     outs = engine.forward(batches, with_entropy=True, record_routing=True)
-    loss, _ = engine.forward_backward(batches, nll_loss)
+    # forward_backward, keeping the training forward's log-probs (train_step(keep_logprobs=True) without the
+    # optimizer step, which would scale the gradients read below)
+    loss, _, kept = engine._forward_backward(batches, nll_loss, require_replay=False, keep_logprobs=True)
     return dict(
         dp_rank=engine.groups.dp_rank,
         pp_rank=engine.groups.pp_rank,
         loss=loss,
         logprobs=[o.logprobs_BT for o in outs],
+        kept=[o.logprobs_BT for o in kept],
         entropy=[o.entropy_BT for o in outs],
         routed=[o.routed_experts_BTLK for o in outs],
         grads=hf_gradients(engine),

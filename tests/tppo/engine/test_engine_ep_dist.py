@@ -118,8 +118,8 @@ def test_ep2_round_trip_cli_is_bit_identical(tmp_path):
 )
 def test_tensor_and_pipeline_parallel_equal_single_process(tmp_path, tp, pp, ep):
     """TP=2 with sequence parallelism (and EP=2 over the same ranks), or PP=2 (1F1B over gloo p2p): the same
-    log-probs, entropies, recorded routing, loss and gradients (in HF layout) as one process, and an export
-    bit-identical to the source checkpoint."""
+    log-probs (of the forward pass and, kept on every rank, of the training forward), entropies, recorded routing,
+    loss and gradients (in HF layout) as one process, and an export bit-identical to the source checkpoint."""
     ckpt = make_hf_checkpoint(str(tmp_path / "q"), "qwen3_moe", first_k_dense=1, num_layers=4)
     m = model_config_from_hf(ckpt)
     g = torch.Generator().manual_seed(1)
@@ -135,6 +135,8 @@ def test_tensor_and_pipeline_parallel_equal_single_process(tmp_path, tp, pp, ep)
     for r in ranks:
         for i, out in enumerate(outs):
             torch.testing.assert_close(r["logprobs"][i], out.logprobs_BT, rtol=1e-5, atol=2e-6)
+            # every stage holds the training forward's log-probs (the old ones of a one-step update)
+            torch.testing.assert_close(r["kept"][i], out.logprobs_BT, rtol=1e-5, atol=2e-6)
             torch.testing.assert_close(r["entropy"][i], out.entropy_BT, rtol=1e-5, atol=2e-6)
             assert torch.equal(r["routed"][i], out.routed_experts_BTLK)
         assert abs(r["loss"] - loss) < 1e-6

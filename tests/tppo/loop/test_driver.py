@@ -73,7 +73,7 @@ class _Rank:
     def old_logprobs(self, record_routing=False):
         return OldLogprobsReport(metrics={})
 
-    def train(self, objectives, schedule=None, plan=None, loads_MLSE=None):
+    def train(self, objectives, schedule=None, plan=None, loads_MLSE=None, old_from_update=False):
         for b in self.staged:
             live = b.loss_mask_BT.sum(dim=1) > 0
             self.trained_prompts += (b.input_ids_BT[live, 0] - PROMPT_BASE).tolist()
