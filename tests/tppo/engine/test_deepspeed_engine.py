@@ -44,7 +44,7 @@ def _other_routes(recorded_BTLK: torch.Tensor, num_experts: int) -> torch.Tensor
 
 def _step(engine, batches, *, replay: bool):
     loss_fn = objective(batches)
-    return engine.train_step(batches, loss_fn, require_replay=replay)
+    return engine.train_step(batches, loss_fn, require_replay=replay, keep_logprobs=True)
 
 
 @pytest.mark.parametrize("replay", [False, True], ids=["live", "replay"])
@@ -53,7 +53,8 @@ def test_one_tppo_step_matches_megatron(ckpt, replay):
     meg = MegatronEngine(m, ParallelConfig(), OPTIM)
     ds = DeepSpeedEngine(m, OPTIM, zero=BackendConfig("deepspeed", 2))
     batches = _batches()
-    with_old_logprobs(batches, meg.forward(batches))
+    before = meg.forward(batches)
+    with_old_logprobs(batches, before)
     if replay:
         live = ds.forward(batches, record_routing=True)
         for b, o in zip(batches, live):
@@ -67,6 +68,11 @@ def test_one_tppo_step_matches_megatron(ckpt, replay):
     assert math.isclose(r_ds.loss, r_meg.loss, rel_tol=0, abs_tol=1e-5)
     assert math.isclose(r_ds.grad_norm, r_meg.grad_norm, rel_tol=1e-5, abs_tol=1e-5)
     assert r_ds.metrics.keys() == r_meg.metrics.keys() and r_ds.lr == r_meg.lr
+    # Both keep the training forward's log-probs: the old ones of a one-step update (algo.old_logprobs=update).
+    for kept_ds, kept_meg, out in zip(r_ds.outputs, r_meg.outputs, before, strict=True):
+        torch.testing.assert_close(kept_ds.logprobs_BT.cpu(), kept_meg.logprobs_BT.cpu(), rtol=0, atol=1e-5)
+        if not replay:  # with replay the step ran other experts than the forward before it
+            torch.testing.assert_close(kept_meg.logprobs_BT.cpu(), out.logprobs_BT, rtol=1e-5, atol=2e-6)
     w_meg, w_ds = _hf_weights(meg), _hf_weights(ds)
     assert sorted(w_ds) == sorted(w_meg)
     for name in w_meg:
