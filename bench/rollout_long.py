@@ -49,6 +49,7 @@ The full run is long (the longest requests decode alone for up to max_output ste
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -80,6 +81,7 @@ from rollout.config import RolloutConfig
 from rollout.engine import GenerateStats, StepTrace
 from rollout.kv_cache import CachePlan, plan_cache
 from rollout.model_spec import MoeModelSpec
+from rollout.step_cost import FEATURES, PrefillBudget
 
 WARMUP_PROMPT = 16  # tokens per warm-up prompt (see warm_up)
 TINY_LONG = dict(TINY, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
@@ -350,6 +352,22 @@ def summarize(rounds: list[GenerateStats], wall: float, parts: dict, args) -> di
     }
 
 
+def step_cost_state(budget: PrefillBudget) -> dict:
+    """The mixed-step cost model as the section left it: its coefficients by feature (seconds) and how many
+    steps the bound could not hold."""
+    coef = budget.coef.tolist() if budget.coef is not None else None
+    return {"coef": dict(zip(FEATURES, coef)) if coef else None, "unmet_steps": budget.unmet_steps}
+
+
+def write_steps(path: Path, rounds: list[GenerateStats]) -> None:
+    """Every step of a section, one JSON line each (StepTrace's fields), for offline analysis."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for st in rounds:
+            for step in st.steps:
+                f.write(json.dumps(dataclasses.asdict(step)) + "\n")
+
+
 # --------------------------------------------------------------------------------------------- driver
 def save(results: dict, path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -410,6 +428,10 @@ def run_engine_kind(kind: str, args, cfg: dict, device, dtype, work, results: di
             row["graphs"] = engine.runner.num_graphs
             row["graphs_new"] = engine.runner.num_graphs - graphs_before
             row["capture_error"] = engine.runner.capture_error
+            if engine.prefill_budget is not None:
+                row["step_cost"] = step_cost_state(engine.prefill_budget)
+            if args.steps_out:
+                write_steps(Path(args.steps_out) / f"{kind}_{mode}.jsonl", rounds)
             if mode == "windows" and plain_tokens is not None:
                 row["same_tokens_as_plain"] = statistics.mean(a == b for a, b in zip(tokens, plain_tokens))
             results["sections"][name] = row
@@ -563,6 +585,7 @@ def main() -> None:
     )
     add_attention_arg(ap)
     ap.add_argument("--json", default="bench/out/rollout_long.json")
+    ap.add_argument("--steps-out", default=None, help="folder for each section's step trace (JSON lines)")
     if ap.parse_known_args()[0].tiny:  # toy defaults; flags given on the command line still win
         ap.set_defaults(**TINY_ARGS)
     args = ap.parse_args()
