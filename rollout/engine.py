@@ -554,7 +554,8 @@ class _Scheduler:
                 self._grow(r)
         decode = [r for r in self.running if r.decoding]
         budget, pieces = self.max_step_tokens - len(decode), []
-        if self.prefill_budget is not None:
+        prefilling = len(decode) < len(self.running)  # a budget costs host time: decode-only steps skip it
+        if self.prefill_budget is not None and prefilling:
             budget = min(budget, self.prefill_budget(len(decode), sum(r.length for r in decode)))
         for r in self.running:
             if budget <= 0:

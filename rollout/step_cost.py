@@ -16,8 +16,9 @@ The prefill budget of a step is the largest p with
 
     c_ptok p + c_ptiles E[x_pre(p)] <= s (c0 + c_rows rows + c_keys keys + c_dtiles E[x_dec(rows)]),
 
-i.e. predicted time <= (1 + s) x the decode-only step's. Both sides grow monotonically in p, so a binary search
-finds it.
+i.e. predicted time <= (1 + s) x the decode-only step's. The left side grows monotonically in p and does not
+depend on the step: it is tabulated for p = 0..max_tokens once per fit (E[x_pre(p)] once per model) and searched,
+so a step's budget costs microseconds of host time, not the milliseconds of evaluating the expectations again.
 
 When not even `min_tokens` fit the bound, no chunk size keeps it, and throttling would only multiply the mixed
 steps: a few decoding rows of a fine-grained MoE touch a fraction of its experts, and the first prefill tokens
@@ -90,7 +91,11 @@ class PrefillBudget:
     unmet_steps: int = 0
     _X: list[np.ndarray] = field(default_factory=list)
     _y: list[float] = field(default_factory=list)
-    _chunks: tuple[np.ndarray, np.ndarray] | None = None  # chunk sizes and their expected prefill tiles
+    _prefill_tiles: np.ndarray | None = None  # [max_tokens + 1]: E[x_pre(p)] over the MoE layers
+    _decode_tiles: dict[int, float] = field(
+        default_factory=dict
+    )  # rows -> E[x_dec(rows)] over the MoE layers
+    _extra: np.ndarray | None = None  # [max_tokens + 1]: c_ptok p + c_ptiles E[x_pre(p)] under `coef`
 
     def record(self, shape: StepShape, seconds: float) -> None:
         self._X.append(shape.features())
@@ -111,18 +116,31 @@ class PrefillBudget:
         typical = y <= self.outlier * (X @ coef)
         if not typical.all() and typical.sum() >= self.min_steps:
             coef, _ = nnls(X[typical], y[typical])
-        self.coef = coef
+        self.coef, self._extra = coef, None
 
     def expected(self, rows: int, keys: int, prefill_tokens: int) -> StepShape:
         """A step's shape before it runs: its tiles at their expectation under uniform routing."""
-        e, k, layers = self.num_experts, self.top_k, self.num_moe_layers
+        if rows not in self._decode_tiles:
+            e, k, layers = self.num_experts, self.top_k, self.num_moe_layers
+            self._decode_tiles[rows] = layers * expected_tiles(rows, e, k, BLOCK_M_DECODE)
         return StepShape(
-            rows,
-            keys,
-            layers * expected_tiles(rows, e, k, BLOCK_M_DECODE),
-            prefill_tokens,
-            layers * expected_tiles(prefill_tokens, e, k, BLOCK_M_PREFILL),
+            rows, keys, self._decode_tiles[rows], prefill_tokens, self._tiles_P()[prefill_tokens]
         )
+
+    def _tiles_P(self) -> np.ndarray:
+        """E[x_pre(p)] over the MoE layers for p = 0..max_tokens (the same for every step: computed once)."""
+        if self._prefill_tiles is None:
+            e, k, layers = self.num_experts, self.top_k, self.num_moe_layers
+            self._prefill_tiles = np.array(
+                [layers * expected_tiles(p, e, k, BLOCK_M_PREFILL) for p in range(self.max_tokens + 1)]
+            )
+        return self._prefill_tiles
+
+    def _extra_P(self) -> np.ndarray:
+        """The predicted extra step time of p prefill tokens, p = 0..max_tokens, under the current fit."""
+        if self._extra is None:
+            self._extra = self.coef[4] * np.arange(self.max_tokens + 1) + self.coef[5] * self._tiles_P()
+        return self._extra
 
     def predict(self, shape: StepShape) -> float:
         if self.coef is None:
@@ -134,24 +152,18 @@ class PrefillBudget:
         if self.coef is None or rows == 0:
             return self.max_tokens
         decode_s = self.predict(self.expected(rows, keys, 0))
-        bound = (1.0 + self.slowdown) * decode_s
-        lo, hi = 0, self.max_tokens  # lo fits; find the largest p that does
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.predict(self.expected(rows, keys, mid)) <= bound:
-                lo = mid
-            else:
-                hi = mid - 1
+        # the largest p whose extra time fits (p = 0 always does: its extra time is 0)
+        fits = int(np.searchsorted(self._extra_P(), self.slowdown * decode_s, side="right")) - 1
         floor = min(self.min_tokens, self.max_tokens)
-        if lo >= floor:
-            return lo
+        if fits >= floor:
+            return fits
         return self._cheapest_chunk(rows, keys, decode_s, floor)
 
     def _cheapest_chunk(self, rows: int, keys: int, decode_s: float, floor: int) -> int:
         """The chunk with the most prefill tokens per second of extra step time (the bound cannot hold); the
         extra time, c_ptok p + c_ptiles E[x_pre(p)], is the same whatever the decoding rows."""
-        sizes_P, tiles_P = self._chunk_tiles(floor)
-        per_s_P = sizes_P / np.maximum(self.coef[4] * sizes_P + self.coef[5] * tiles_P, 1e-12)
+        sizes_P = np.array([*range(floor, self.max_tokens, floor), self.max_tokens])
+        per_s_P = sizes_P / np.maximum(self._extra_P()[sizes_P], 1e-12)
         chosen = int(sizes_P[np.argmax(per_s_P >= 0.99 * per_s_P.max())])
         if not self.unmet_steps:
             log.warning(
@@ -165,15 +177,3 @@ class PrefillBudget:
             )
         self.unmet_steps += 1
         return chosen
-
-    def _chunk_tiles(self, floor: int) -> tuple[np.ndarray, np.ndarray]:
-        """Chunk sizes floor, 2 floor, ..., max_tokens and their expected prefill tiles over the MoE layers (the
-        same for every step: computed once)."""
-        if self._chunks is None:
-            sizes = list(range(floor, self.max_tokens, floor)) + [self.max_tokens]
-            tiles = [
-                self.num_moe_layers * expected_tiles(p, self.num_experts, self.top_k, BLOCK_M_PREFILL)
-                for p in sizes
-            ]
-            self._chunks = np.asarray(sizes, dtype=np.float64), np.asarray(tiles)
-        return self._chunks

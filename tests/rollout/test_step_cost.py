@@ -143,6 +143,7 @@ def _budgeted_engine(path) -> RolloutEngine:
         kv_cache_tokens=4 * 128,
         max_step_tokens=32,
         max_decode_slowdown=0.1,
+        trace_steps=True,
     )
     return RolloutEngine.from_pretrained(path, config=config)
 
@@ -151,8 +152,12 @@ def test_engine_fits_its_cost_model_from_its_own_steps(tmp_path):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 96, size=n).tolist() for n in rng.integers(5, 60, size=12)]
     engine = _budgeted_engine(tmp_path)
+    budget, asked = engine.prefill_budget.budget, []
+    engine.prefill_budget.budget = lambda rows, keys: asked.append(rows) or budget(rows, keys)
     engine.generate(prompts, SamplingParams(max_new_tokens=20, temperature=0))
     assert engine.prefill_budget.coef is not None and (engine.prefill_budget.coef >= 0).all()
+    # consulted on the steps that prefill only (a budget costs host time: decode-only steps skip it)
+    assert len(asked) == sum(s.num_prefill > 0 for s in engine.last_stats.steps)
     assert isinstance(engine.prefill_budget.expected(4, 100, 10), StepShape)
 
 
