@@ -92,10 +92,10 @@ class PrefillBudget:
     _X: list[np.ndarray] = field(default_factory=list)
     _y: list[float] = field(default_factory=list)
     _prefill_tiles: np.ndarray | None = None  # [max_tokens + 1]: E[x_pre(p)] over the MoE layers
-    _decode_tiles: dict[int, float] = field(
-        default_factory=dict
-    )  # rows -> E[x_dec(rows)] over the MoE layers
+    # rows -> E[x_dec(rows)] over the MoE layers
+    _decode_tiles: dict[int, float] = field(default_factory=dict)
     _extra: np.ndarray | None = None  # [max_tokens + 1]: c_ptok p + c_ptiles E[x_pre(p)] under `coef`
+    _cheapest: int | None = None  # the chunk `_cheapest_chunk` takes under `coef`
 
     def record(self, shape: StepShape, seconds: float) -> None:
         self._X.append(shape.features())
@@ -116,7 +116,7 @@ class PrefillBudget:
         typical = y <= self.outlier * (X @ coef)
         if not typical.all() and typical.sum() >= self.min_steps:
             coef, _ = nnls(X[typical], y[typical])
-        self.coef, self._extra = coef, None
+        self.coef, self._extra, self._cheapest = coef, None, None
 
     def expected(self, rows: int, keys: int, prefill_tokens: int) -> StepShape:
         """A step's shape before it runs: its tiles at their expectation under uniform routing."""
@@ -161,10 +161,13 @@ class PrefillBudget:
 
     def _cheapest_chunk(self, rows: int, keys: int, decode_s: float, floor: int) -> int:
         """The chunk with the most prefill tokens per second of extra step time (the bound cannot hold); the
-        extra time, c_ptok p + c_ptiles E[x_pre(p)], is the same whatever the decoding rows."""
-        sizes_P = np.array([*range(floor, self.max_tokens, floor), self.max_tokens])
-        per_s_P = sizes_P / np.maximum(self._extra_P()[sizes_P], 1e-12)
-        chosen = int(sizes_P[np.argmax(per_s_P >= 0.99 * per_s_P.max())])
+        extra time, c_ptok p + c_ptiles E[x_pre(p)], is the same whatever the decoding rows, so the choice is
+        made once per fit."""
+        if self._cheapest is None:
+            sizes_P = np.array([*range(floor, self.max_tokens, floor), self.max_tokens])
+            per_s_P = sizes_P / np.maximum(self._extra_P()[sizes_P], 1e-12)
+            self._cheapest = int(sizes_P[np.argmax(per_s_P >= 0.99 * per_s_P.max())])
+        chosen = self._cheapest
         if not self.unmet_steps:
             log.warning(
                 "rollout.max_decode_slowdown=%g cannot hold at %d decoding rows: %d prefill tokens are predicted "
