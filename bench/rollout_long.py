@@ -2,6 +2,7 @@
 
     python bench/rollout_long.py --json bench/out/rollout_long.json    # H200, bf16, Qwen3-30B-A3B shape
     python bench/rollout_long.py --tiny                                # CPU smoke run of every code path
+    python bench/rollout_long.py --bound --gpu h200                   # the schedules at the roofline (CPU)
 
 Model: the Qwen3-30B-A3B shape (all 48 layers, 128 experts top-8) with random weights; `--tiny` is a 2-layer
 toy (8 experts top-2, vocab 512) in float32 on the CPU.
@@ -44,6 +45,12 @@ a decode-only step of the same rows). Comparison: paged / slot ratios of peak se
 and tokens/s, per mode.
 The full run is long (the longest requests decode alone for up to max_output steps); `--engines paged` and
 `--engines slot` split it into two runs, and the JSON is rewritten after every section.
+Bound (`--bound`, no engine, seconds of CPU): the workload's two schedules costed step by step at `--gpu`'s
+roofline by the planner's model (rollout/plan/schedule.py): the slot cache's (its slots admit the requests in
+order) and a paged cache's with unlimited K/V (every request admitted at once, up to --max-batch-size rows).
+Their ratio is the most tokens/s a paged engine at the roofline gains over a slot engine at the roofline on
+this workload; `--variants` also makes K/V reads free (free_kv) or a step's cost independent of its rows
+(row_free: the ratio is then about the slot schedule's decode steps over the longest request's).
 """
 
 from __future__ import annotations
@@ -81,12 +88,15 @@ from rollout.config import RolloutConfig
 from rollout.engine import GenerateStats, StepTrace
 from rollout.kv_cache import CachePlan, plan_cache
 from rollout.model_spec import MoeModelSpec
+from rollout.plan import GPU_PRESETS, gpu_preset
+from rollout.plan.hardware import shape_from_spec
+from rollout.plan.schedule import BOUND_VARIANTS, decode_iterations, fifo_starts, variant_cost, variant_list
 from rollout.step_cost import FEATURES, PrefillBudget
 
 WARMUP_PROMPT = 16  # tokens per warm-up prompt (see warm_up)
 TINY_LONG = dict(TINY, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
-# --tiny: a KV budget in which the slot cache holds fewer sequences than the paged one (480 tokens: 4 slots of
-# 96 positions vs 29 blocks of 16 positions for 12 requests of up to 88 positions).
+# --tiny: a KV budget in which the slot cache holds fewer sequences than the paged one (480 tokens: 5 slots of
+# 96 positions vs 30 blocks of 16 positions for 12 requests of up to 88 positions).
 TINY_ARGS = dict(
     device="cpu",
     dtype="float32",
@@ -529,6 +539,66 @@ def print_tables(results: dict) -> None:
             print(f"| {mode} | {c['peak_running']:.2f}x | {c['decode_rows_mean']:.2f}x | {c['tok_s']:.2f}x |")
 
 
+# --------------------------------------------------------------------------------------------- the roofline bound
+def schedule_row(cost, context_N: np.ndarray, new_N: np.ndarray, start_N: np.ndarray) -> dict:
+    rows_J, keys_J = decode_iterations(context_N, new_N, start_N)
+    decode_s, prefill_s = cost.decode_s(rows_J, keys_J), cost.prefill_s(context_N)
+    busy = rows_J[rows_J > 0]
+    return {
+        "decode_steps": len(busy),
+        "decode_rows_mean": float(busy.mean()),
+        "peak_rows": int(busy.max()),
+        "decode_s": decode_s,
+        "prefill_s": prefill_s,
+        "tok_s": int(new_N.sum()) / (decode_s + prefill_s),
+    }
+
+
+def bound_part(args, spec: MoeModelSpec, element: int, prompts: list[list[int]], lengths: list[int]) -> dict:
+    """The workload's two schedules costed at `--gpu`'s roofline (rollout/plan/schedule.py), no engine:
+    - slot: the slots the KV budget holds (the engine's own cache plan) admit the requests in order, each slot
+      freed when its request ends;
+    - paged, unlimited K/V: every request admitted as soon as a row of `--max-batch-size` frees (all at step 0
+      when they fit), never preempted: the most rows any paged engine can decode together.
+    Prefill is costed the same for both (each prompt once). The ratio of their times is the largest tokens/s
+    ratio an engine running at the roofline can show on this workload."""
+    model, gpu = shape_from_spec("bound", spec), gpu_preset(args.gpu)
+    slot = plan_for("slot", args, spec, element)
+    slots = min(slot.num_blocks - 1, slot.max_seqs)
+    context_N = np.array([len(p) for p in prompts])
+    new_N = np.array(lengths)
+    schedules = {
+        f"slot ({slots} slots)": fifo_starts(new_N, slots),
+        "paged, unlimited K/V": fifo_starts(new_N, args.max_batch_size),
+    }
+    runs = []
+    for variant in args.variants:
+        cost = variant_cost(variant, model, gpu, args.max_step_tokens)
+        rows = {name: schedule_row(cost, context_N, new_N, s) for name, s in schedules.items()}
+        slot_row, paged_row = rows.values()
+        runs.append(
+            {"variant": variant, "engines": rows, "paged_over_slot": paged_row["tok_s"] / slot_row["tok_s"]}
+        )
+    return {"gpu": dataclasses.asdict(gpu), "slots": slots, "runs": runs}
+
+
+def print_bound(bound: dict) -> None:
+    print(f"\nroofline of {bound['gpu']['name']} (no engine; rollout/plan/schedule.py)")
+    print(
+        "| variant | schedule | decode steps | rows/step | peak rows | decode s | prefill s | tok/s | paged / slot |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for run in bound["runs"]:
+        for i, (name, r) in enumerate(run["engines"].items()):
+            ratio = f"**{run['paged_over_slot']:.2f}x**" if i else ""
+            print(
+                f"| {run['variant']} | {name} | {r['decode_steps']} | {r['decode_rows_mean']:.1f} | {r['peak_rows']} "
+                f"| {r['decode_s']:.1f} | {r['prefill_s']:.1f} | {r['tok_s']:.0f} | {ratio} |"
+            )
+    for name in dict.fromkeys(run["variant"] for run in bound["runs"]):
+        print(f"{name}: {BOUND_VARIANTS[name]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -586,6 +656,18 @@ def main() -> None:
     add_attention_arg(ap)
     ap.add_argument("--json", default="bench/out/rollout_long.json")
     ap.add_argument("--steps-out", default=None, help="folder for each section's step trace (JSON lines)")
+    ap.add_argument(
+        "--bound",
+        action="store_true",
+        help="no engine: cost the slot and paged schedules of the workload at --gpu's roofline (CPU, seconds)",
+    )
+    ap.add_argument("--gpu", default="h200", choices=sorted(GPU_PRESETS), help="the bound's GPU preset")
+    ap.add_argument(
+        "--variants",
+        type=variant_list,
+        default=list(BOUND_VARIANTS),
+        help=f"what the bound makes free, some of {','.join(BOUND_VARIANTS)}",
+    )
     if ap.parse_known_args()[0].tiny:  # toy defaults; flags given on the command line still win
         ap.set_defaults(**TINY_ARGS)
     args = ap.parse_args()
@@ -595,7 +677,8 @@ def main() -> None:
             f"unknown engines/modes {sorted(unknown)}: expected --engines paged,slot --modes plain,windows"
         )
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    resolve_bandwidth(args, device)
+    if not args.bound:
+        resolve_bandwidth(args, device)
     cfg = TINY_LONG if args.tiny else QWEN3_30B_A3B
     prompts, lengths, seeds = workload(args, cfg["vocab_size"])
     spec = MoeModelSpec.from_hf_config(cfg)
@@ -637,6 +720,11 @@ def main() -> None:
         f"max {w['output_max']}, {w['outputs_capped']} capped at {args.max_output})",
         flush=True,
     )
+    if args.bound:
+        results["bound"] = bound_part(args, spec, element, prompts, lengths)
+        save(results, args.json)
+        print_bound(results["bound"])
+        return
     for kind in args.engines:
         run_engine_kind(kind, args, cfg, device, dtype, (prompts, lengths, seeds), results)
     results["comparison"] = compare(results, args.modes)

@@ -57,7 +57,7 @@ import time
 import traceback
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -85,18 +85,16 @@ from rollout.engine import GenerateStats
 from rollout.model_spec import MoeModelSpec
 from rollout.plan import (
     GPU_PRESETS,
-    Cluster,
-    GpuSpec,
-    ModelShape,
-    Search,
-    Workload,
-    analytic_times,
     gpu_preset,
 )
 from rollout.plan.hardware import shape_from_spec
-from rollout.plan.perf import roofline_ms
-from rollout.plan.search import Shape, replica_plan
-from rollout.plan.shared import prefill_attention_ms
+from rollout.plan.schedule import (
+    BOUND_VARIANTS,
+    RooflineCost,
+    decode_iterations,
+    variant_cost,
+    variant_list,
+)
 from tppo.algo.pool import Prompt, Sample, SamplePool
 from tppo.algo.stages import request_seed
 
@@ -407,57 +405,6 @@ def print_rollout(results: dict) -> None:
 # --------------------------------------------------------------------------------------------- the roofline bound
 # The models the bound part can cost: the rollout part's 16-layer MoE and the whole Qwen3-30B-A3B.
 BOUND_MODELS = {"moe16": MOE_16L, "qwen3-30b-a3b": QWEN3_30B_A3B}
-ONE_GPU = Shape("replicas", 1, 1, 1, 1, 1)
-
-
-def decode_iterations(context_N: np.ndarray, new_N: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The decode steps of one rollout step whose row i prefills c_i positions and generates n_i tokens.
-
-    A row's first token comes from its prefill, so row i decodes in steps j = 1 .. n_i - 1 with c_i + j
-    positions cached. Returns, for j = 1 .. max(n) - 1,
-
-        rows_J[j - 1] = #{i : n_i > j},    keys_J[j - 1] = sum_{i : n_i > j} (c_i + j)."""
-    steps = int(new_N.max()) - 1 if len(new_N) else 0
-    if steps <= 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0)
-    last_N = np.asarray(new_N, dtype=np.int64) - 1  # the last decode step of each row
-    rows_by_last = np.bincount(last_N, minlength=steps + 1)
-    context_by_last = np.bincount(last_N, weights=np.asarray(context_N, dtype=float), minlength=steps + 1)
-    rows_J = np.cumsum(rows_by_last[::-1])[::-1][1:]  # rows whose last step is >= j
-    context_J = np.cumsum(context_by_last[::-1])[::-1][1:]
-    return rows_J, context_J + np.arange(1, steps + 1) * rows_J
-
-
-@dataclass(frozen=True)
-class RooflineCost:
-    """An engine step's time on one GPU by the deployment planner's roofline (rollout/plan), every kernel at
-    its bound and no launch or host cost: an upper bound on speed that no engine beats.
-
-    decode step of b rows with C cached positions on average: the planner's replica step
-    L (T_a(b, C) + T_e(b)) + O(b), T_a reading the layer's attention weights and b C positions of K/V, T_e the
-    weights of the experts b tokens touch (E (1 - (1 - K/E)^b) of them), O the LM head;
-    prefill of rows with c_i positions, in chunks of `chunk` tokens: L (sum_i A(c_i) + sum_chunks T_e(chunk)),
-    A the causal attention of c_i tokens (compute-bound)."""
-
-    search: Search
-    chunk: int
-
-    def decode_ms(self, rows: int, keys: float) -> float:
-        at = replace(self.search, workload=Workload(keys / rows, 0))
-        return replica_plan(at, ONE_GPU, rows).step_ms
-
-    def decode_s(self, rows_J: np.ndarray, keys_J: np.ndarray) -> float:
-        return 1e-3 * sum(self.decode_ms(int(b), float(k)) for b, k in zip(rows_J, keys_J))
-
-    def prefill_s(self, context_N: np.ndarray) -> float:
-        m, gpu, times = self.search.model, self.search.cluster.gpu, self.search.times
-        total = int(np.sum(context_N))
-        full, rest = divmod(total, self.chunk)
-        experts = full * times.experts.ms(self.chunk, m.num_experts, 1)
-        if rest:
-            experts += times.experts.ms(rest, m.num_experts, 1)
-        attention = sum(prefill_attention_ms(m, gpu, 1, int(c)) for c in context_N)
-        return 1e-3 * m.num_layers * (attention + experts)
 
 
 def bound_step(cost: RooflineCost, args, pool: SamplePool, step: int) -> tuple[StepRecord, list[Sample]]:
@@ -481,51 +428,6 @@ def bound_step(cost: RooflineCost, args, pool: SamplePool, step: int) -> tuple[S
     retired = finish_windows(pool, batch, targets, tokens, [np.zeros(n, dtype=np.float32) for n in new_N])
     seconds = stats.prefill_s + stats.decode_s
     return step_record(step, seconds, len(batch), continuations, retired, stats), retired
-
-
-@dataclass(frozen=True)
-class EveryExpert:
-    """T_e when a step reads every expert's weights whatever its rows, as a dense model's decode does:
-    max(E 3 h f bytes / B, 2 (3 h f) K t / F)."""
-
-    model: ModelShape
-    gpu: GpuSpec
-
-    def ms(self, tokens: float, num_local: int, tp: int) -> float:
-        m = self.model
-        flops = 2 * m.expert_params * tokens * m.top_k * num_local / m.num_experts / tp
-        weights = num_local * m.expert_params * m.weight_bytes / tp
-        return roofline_ms(weights, flops, self.gpu.peak_flops, self.gpu.mem_bandwidth)
-
-
-# What each variant of the bound makes free, to show which cost takes T-PPO's gain.
-BOUND_VARIANTS = {
-    "roofline": "every kernel at its roofline",
-    "free_kv": "the roofline with K/V reads free (no decode cost grows with context)",
-    "row_free": "K/V free and every expert read at every step: a memory-bound decode step's cost is then "
-    "independent of its rows",
-}
-
-
-def variant_list(text: str) -> list[str]:
-    """Comma-separated names of BOUND_VARIANTS (a command-line option)."""
-    names = text.split(",")
-    unknown = [n for n in names if n not in BOUND_VARIANTS]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown variants {unknown}; expected some of {list(BOUND_VARIANTS)}"
-        )
-    return names
-
-
-def variant_cost(variant: str, model: ModelShape, gpu: GpuSpec, chunk: int) -> RooflineCost:
-    """The roofline of `model` on one `gpu`, with what `variant` makes free."""
-    if variant != "roofline":
-        model = replace(model, kv_bytes=0)
-    times = analytic_times(model, gpu)
-    if variant == "row_free":
-        times = replace(times, experts=EveryExpert(model, gpu))
-    return RooflineCost(Search(model, times, Workload(1, 0), Cluster(1, gpu)), chunk)
 
 
 def bound_part(args) -> dict:

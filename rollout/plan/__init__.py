@@ -11,7 +11,8 @@ shared expert pool, goodput = min(prefill rate, decode rate at the SLO), MoE cos
 per-phase replicas (prefill/decode disaggregation) and colocation.
 
 Modules: hardware (GPU and model presets, byte counts), perf (the papers' formulas), profile (profile JSON, fits,
-roofline times), search (Algorithm 1, replicas, brute force), shared (ExpertPlex), report (tables, --validate).
+roofline times), search (Algorithm 1, replicas, brute force), shared (ExpertPlex), report (tables, --validate), schedule (an
+engine's step schedule on one GPU at the roofline).
 Departures from the papers are listed in each module's docstring.
 """
 

@@ -82,21 +82,6 @@ def test_tppo_windows_generate_each_response_to_its_target_in_windows(engine):
     assert generated == sum(s.num_response_tokens for s in retired_all) + in_flight
 
 
-def test_decode_iterations_count_each_steps_rows_and_cached_positions():
-    rng = np.random.default_rng(0)
-    for _ in range(20):
-        context_N = rng.integers(1, 50, size=int(rng.integers(1, 9)))
-        new_N = rng.integers(1, 30, size=len(context_N))
-        rows_J, keys_J = bench.decode_iterations(context_N, new_N)
-        steps = int(new_N.max()) - 1
-        assert len(rows_J) == len(keys_J) == steps
-        for j in range(1, steps + 1):  # row i decodes its tokens 2 .. n_i at steps 1 .. n_i - 1
-            live = [i for i in range(len(new_N)) if new_N[i] > j]
-            assert rows_J[j - 1] == len(live)
-            assert keys_J[j - 1] == sum(context_N[i] + j for i in live)
-        assert rows_J.sum() == (new_N - 1).sum()  # every token after the first is one decode row
-
-
 def test_bound_steps_schedule_the_engines_work_exactly(engine):
     """The roofline part replays the pool without an engine: step for step, it must see the batches, windows,
     prefills and completions that the real (toy) engine saw."""

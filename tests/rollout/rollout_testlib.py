@@ -1,8 +1,10 @@
 """Shared helpers of the rollout tests: tiny random Qwen3-MoE / Mixtral checkpoints saved as real HF folders,
-and transformers references (greedy generate, log-probs and the router's picks through forward hooks)."""
+transformers references (greedy generate, log-probs and the router's picks through forward hooks), and a
+step-by-step replay of slot admission (the reference of the planner's schedules)."""
 
 from __future__ import annotations
 
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -136,3 +138,26 @@ def interpreter_results(*argv: str, timeout: float = 300) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def replay(context_N, new_N, slots: int) -> tuple[list[int], list[int], list[int]]:
+    """Step by step: at every step free slots admit the next requests in order (each prefilled that step, its
+    first token from the prefill), then every admitted request that still has tokens to generate decodes one.
+    Returns the start step of each request and, per step from 1 on, the decoding rows and their cached keys."""
+    pending, start, made = deque(range(len(new_N))), {}, {}
+    rows, keys = [], []
+    t = 0
+    while pending or any(made[i] < new_N[i] for i in made):
+        holding = [i for i in start if made[i] < new_N[i]]
+        while pending and len(holding) < slots:
+            i = pending.popleft()
+            start[i], made[i] = t, 1
+            holding.append(i)
+        if t:
+            live = [i for i in holding if start[i] < t]
+            rows.append(len(live))
+            keys.append(sum(context_N[i] + made[i] for i in live))
+            for i in live:
+                made[i] += 1
+        t += 1
+    return [start[i] for i in range(len(new_N))], rows, keys
