@@ -311,6 +311,35 @@ def run_engine(args, cfg: dict, device: torch.device, dtype: torch.dtype) -> lis
 
 
 @contextlib.contextmanager
+def held_rows(engine: RolloutEngine, count: int, num_positions: int):
+    """`count` rows opened in the engine's block table, each with blocks for positions [0, num_positions), so a
+    step built on them reads and writes real cache blocks; released on exit (the engine's next step, or
+    generate, finds the table as it was)."""
+    table = engine.cache.table
+    rows = []
+    try:
+        for _ in range(count):
+            rows.append(table.open_row())
+            if not table.grow(rows[-1], num_positions):
+                raise RuntimeError(f"the KV cache cannot hold {count} rows of {num_positions} positions")
+        yield rows
+    finally:
+        for r in rows:
+            table.release(r)
+
+
+def sampled_at_temperature_1(num_samples: int) -> dict:
+    """StepInputs' sampling fields for `num_samples` rows at temperature 1, no top-k/top-p (the sort is a graph
+    of its own), seeds 0..S-1."""
+    return dict(
+        seeds_S=np.arange(num_samples, dtype=np.uint64),
+        top_k_S=np.zeros(num_samples, dtype=np.int64),
+        temperature_S=np.ones(num_samples, dtype=np.float32),
+        top_p_S=np.ones(num_samples, dtype=np.float32),
+    )
+
+
+@contextlib.contextmanager
 def decode_step(engine: RolloutEngine, batch: int, args, seed: int = 0):
     """A decode-only step of `batch` rows at the middle of the generation, sampling at temperature 1 (the
     runner pads it to its bucket as it pads the engine's steps). The rows are opened in the engine's block
@@ -318,41 +347,54 @@ def decode_step(engine: RolloutEngine, batch: int, args, seed: int = 0):
     exit. Each row feeds its own random token (drawn from `seed`): rows fed one token over one cache content
     would route alike, and a step whose tokens all pick the same top-k experts reads K experts' weights, not
     the ~E (1 - (1 - K/E)^b) that distinct sequences touch."""
-    table = engine.cache.table
     position = args.prompt_len + args.new_tokens // 2
-    rows = []
-    try:
-        for _ in range(batch):
-            rows.append(table.open_row())
-            if not table.grow(rows[-1], position + 1):
-                raise RuntimeError(f"the KV cache cannot hold {batch} rows of {position + 1} positions")
+    with held_rows(engine, batch, position + 1) as rows:
         tokens_T4 = np.zeros((batch, 4), dtype=np.int64)
         tokens_T4[:, TOKEN] = np.random.default_rng(seed).integers(0, engine.spec.vocab_size, batch)
         tokens_T4[:, POSITION], tokens_T4[:, SEQ] = position, rows
-        tokens_T4[:, CACHE_ROW] = table.cache_rows(tokens_T4[:, SEQ], tokens_T4[:, POSITION])
+        tokens_T4[:, CACHE_ROW] = engine.cache.table.cache_rows(tokens_T4[:, SEQ], tokens_T4[:, POSITION])
         yield StepInputs(
             tokens_T4=tokens_T4,
             num_decode=batch,
             pieces=[],
             samples_S=np.arange(batch, dtype=np.int64),
-            seeds_S=np.arange(batch, dtype=np.uint64),
-            top_k_S=np.zeros(batch, dtype=np.int64),
-            temperature_S=np.ones(batch, dtype=np.float32),
-            top_p_S=np.ones(batch, dtype=np.float32),
+            **sampled_at_temperature_1(batch),
         )
-    finally:
-        for r in rows:
-            table.release(r)
 
 
-def time_replay(engine: RolloutEngine, batch: int, args, device: torch.device) -> float:
-    """Median time of one whole decode step of the runner (inputs in, graph replay or eager forward + sampling,
-    outputs on the host) at the mid length."""
+@contextlib.contextmanager
+def prefill_step(engine: RolloutEngine, seqs: int, length: int, seed: int = 0):
+    """A prefill-only step of `seqs` prompts of `length` random tokens each (drawn from `seed`), all from
+    position 0: the step that admits them whole, as the engine's scheduler builds it (one piece per prompt,
+    its last token sampled at temperature 1). The rows are opened in the engine's block table with blocks for
+    positions [0, length), so the step writes its K/V into real cache blocks and attends to them, and
+    released on exit. The prompts are inputs.tokens_T4[:, TOKEN].reshape(seqs, length)."""
+    with held_rows(engine, seqs, length) as rows:
+        tokens_T4 = np.zeros((seqs * length, 4), dtype=np.int64)
+        tokens_T4[:, TOKEN] = np.random.default_rng(seed).integers(0, engine.spec.vocab_size, seqs * length)
+        tokens_T4[:, POSITION] = np.tile(np.arange(length), seqs)
+        tokens_T4[:, SEQ] = np.repeat(rows, length)
+        tokens_T4[:, CACHE_ROW] = engine.cache.table.cache_rows(tokens_T4[:, SEQ], tokens_T4[:, POSITION])
+        starts_S = np.arange(seqs, dtype=np.int64) * length
+        yield StepInputs(
+            tokens_T4=tokens_T4,
+            num_decode=0,
+            pieces=[(int(start), length) for start in starts_S],
+            samples_S=starts_S + length - 1,
+            **sampled_at_temperature_1(seqs),
+        )
+
+
+def time_step(engine: RolloutEngine, inputs: StepInputs, repeats: int, device: torch.device) -> float:
+    """Median time of one whole runner step on `inputs` (inputs in, graph replay or eager forward + sampling,
+    outputs on the host) over `repeats` runs after 3 warm-up runs (which capture the step's graph): CUDA events
+    on a GPU, the wall clock elsewhere. Rerunning a step rewrites the same K/V at the same cache rows, so every
+    run does the same work."""
     times = []
-    with torch.inference_mode(), decode_step(engine, batch, args) as inputs:
+    with torch.inference_mode():
         for _ in range(3):
             engine.runner.run(inputs)
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -365,6 +407,13 @@ def time_replay(engine: RolloutEngine, batch: int, args, device: torch.device) -
                 engine.runner.run(inputs)
                 times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
+
+
+def time_replay(engine: RolloutEngine, batch: int, args, device: torch.device) -> float:
+    """Median time of one whole decode step of the runner (inputs in, graph replay or eager forward + sampling,
+    outputs on the host) at the mid length."""
+    with torch.inference_mode(), decode_step(engine, batch, args) as inputs:
+        return time_step(engine, inputs, args.repeats, device)
 
 
 def profile_step(engine: RolloutEngine, batch: int, args, device: torch.device) -> dict:

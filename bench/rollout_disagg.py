@@ -3,12 +3,16 @@
     python bench/rollout_disagg.py --profile --json bench/out/rollout_disagg_profile.json   # one GPU, bf16
     python bench/rollout_disagg.py --profile --tiny      # CPU smoke run: toy shapes, fp32, wall time
 
-Writes the profile JSON `rollout-profile/2` (read by `python -m rollout.plan --profile`): the device, its measured
-copy bandwidth, the model's widths and, per section, one row per point. Model: decoder layers of Qwen3-30B-A3B
-(hidden 2048, 32 q / 4 kv heads of 128, 128 experts top-8, expert FFN 768) with random weights, bf16; `--tiny`
-takes rollout_decode's TINY widths in fp32 on the CPU. Schema /2 over /1: the per-layer times are amortised over
-`--graph-reps` reps (below) and the "overhead" section is new (the planner still reads /1 files: without
-overhead rows it keeps the LM head's roofline as the step's only fixed cost, and says so).
+Writes the profile JSON `rollout-profile/3` (read by `python -m rollout.plan --profile`): the device, its measured
+copy bandwidth, the model's widths, the expert path the engines ran ("expert_kernel": persistent, padded or
+grouped, from `--expert-kernel`, whose auto is the persistent Triton kernel on CUDA and grouped GEMMs on the CPU)
+and, per section, one row per point. Model: decoder layers of Qwen3-30B-A3B (hidden 2048, 32 q / 4 kv heads of
+128, 128 experts top-8, expert FFN 768) with random weights, bf16; `--tiny` takes rollout_decode's TINY widths in
+fp32 on the CPU. Schema /2 over /1: the per-layer times are amortised over `--graph-reps` reps (below) and the
+"overhead" section is new (the planner still reads /1 files: without overhead rows it keeps the LM head's
+roofline as the step's only fixed cost, and says so). /3 over /2: "expert_kernel", the "prefill_attention"
+section, prefill-phase experts rows and the steps' prefill rows (every experts and steps row has a "phase"), so a
+plan's prefill side is checked on one GPU too, not only its decode steps.
 
 Sections (a point that raises is listed under "errors" and the others still run):
 1. attention: for every `--batches` x `--contexts`, what an attention worker runs per layer for `batch` decode rows
@@ -17,26 +21,35 @@ Sections (a point that raises is listed under "errors" and the others still run)
    and MoeDecoder.route (router top-k). The rows are real block-table rows of an engine whose cache holds its
    `--graph-reps` layers (random K/V), sized for the largest point that fits the free memory; larger points are
    skipped.
-2. experts: for every `--expert-tokens`, MoeDecoder.experts of all E experts with the engine's default kernel
-   choice for that token count (padded bmm for 8-64 pairs per expert on a GPU, grouped GEMMs otherwise), routing
-   from a softmax over random logits (rollout_expertplex.Layer.inputs).
-3. steps: whole decode steps of an engine of `--step-layers` layers (CUDA graphs on, layout "replicas": every
-   GPU holds the whole model) at `--step-batches` x `--step-contexts` where the KV fits: the runner's step (inputs
-   in, replay, sampling, outputs on the host) as rollout_decode.time_replay times it, each row fed its own
-   random token over a cache of random K/V (so the rows route as distinct sequences do, touching the experts
-   section 2 assumes); `--validate` compares a plan's prediction with these.
-4. overhead: the step's fixed cost (embedding, final norm + LM head, sampling, host copies and the step's one
+2. prefill_attention: for every `--prefill-points` seqs:length, the same attention part for a prefill-only step
+   of `seqs` prompts of `length` random tokens each from position 0 (rollout_decode.prefill_step: one piece per
+   prompt, cut into the runner's attention tiles), on the same engine (its steps take the largest point whole).
+   Rows: seqs, length, ms.
+3. experts: MoeDecoder.experts of all E experts through the engine's expert path (persistent; padded: padded bmm
+   for 8-64 pairs per expert, grouped GEMMs otherwise; grouped), routing from a softmax over random logits
+   (rollout_expertplex.Layer.inputs): phase "decode" (every token a decode row) for every `--expert-tokens`,
+   phase "prefill" (none: a prefill pass, cut into the persistent kernel's taller prefill tiles) for every
+   `--prefill-expert-tokens` (default: the prefill points' seqs x length). Rows: tokens, phase, ms.
+4. steps: whole steps of an engine of `--step-layers` layers (CUDA graphs on, layout "replicas": every GPU holds
+   the whole model) where the KV fits: the runner's step (inputs in, replay or eager forward, sampling, outputs
+   on the host) as rollout_decode.time_step times it. Phase "decode" at `--step-batches` x `--step-contexts`
+   (rollout_decode.time_replay), each row fed its own random token over a cache of random K/V (so the rows
+   route as distinct sequences do, touching the experts section 3 assumes); phase "prefill" at every
+   `--prefill-points` (batch = seqs, context = length): the prefill-only step of section 2 (a step of more than
+   cuda_graph_max_tokens tokens runs eagerly, as in the engine). `--validate` compares a plan's prediction with
+   these.
+5. overhead: the step's fixed cost (embedding, final norm + LM head, sampling, host copies and the step's one
    sync) at every `--step-batches` x `--step-contexts` point: the whole decode step of a ONE-layer engine (as in
-   section 3) minus that layer's attention (batch, context) and experts (tokens = batch) times, timed as in
-   sections 1-2 (measured for this point if those sections did not). Rows: batch, context, ms (the overhead;
-   noise can make it slightly negative), and the step_ms, attention_ms, experts_ms it came from.
-5. overlap (CUDA only): for each `--overlap` point batch:context:tokens, the attention part of one micro-batch and
+   section 4) minus that layer's attention (batch, context) and experts (tokens = batch) times, timed as in
+   sections 1 and 3 (measured for this point if those sections did not). Rows: batch, context, ms (the
+   overhead; noise can make it slightly negative), and the step_ms, attention_ms, experts_ms it came from.
+6. overlap (CUDA only): for each `--overlap` point batch:context:tokens, the attention part of one micro-batch and
    the experts of another (`tokens` tokens) launched back to back on two CUDA streams, timed together, against
    each alone and their sum: how much of MegaScale-Infer's ping-pong one GPU can overlap. On a layer engine of
    its own, last, under a watchdog: a GPU wait longer than `--stall-s` writes the JSON (the stall under
    "errors") and ends the process with status 3 instead of hanging.
-They run in the order attention, experts, (the overhead's parts), overhead, steps, overlap, and the JSON is
-rewritten after every section, so a run cut short keeps what it measured.
+They run in the order attention, prefill_attention, experts, (the overhead's parts), overhead, steps, overlap,
+and the JSON is rewritten after every section, so a run cut short keeps what it measured.
 
 Timing: rollout_decode.median_ms (CUDA events, median of `--repeats` after `--warmup`; wall time on the CPU). On
 CUDA each piece is captured as ONE CUDA graph of R = `--graph-reps` reps back to back and its replay time / R is
@@ -78,9 +91,11 @@ from rollout_decode import (
     int_list,
     median_ms,
     model_config,
+    prefill_step,
     resolve_bandwidth,
     section,
     time_replay,
+    time_step,
 )
 from rollout_expertplex import Layer, graphed
 from rollout_long import save
@@ -88,21 +103,23 @@ from rollout_long import save
 from rollout import RolloutEngine
 from rollout.config import RolloutConfig
 from rollout.kv_cache import available_bytes
-from rollout.model import StepBatch
+from rollout.model import MoeDecoder, StepBatch, padded_capacity
 from rollout.model_spec import MoeModelSpec
-from rollout.paged_attention import decode_splits
+from rollout.paged_attention import decode_splits, prefill_tiles
 from rollout.runner import StepInputs, step_batch
 from rollout.weights import allocate
 
-SCHEMA = "rollout-profile/2"
+SCHEMA = "rollout-profile/3"
 HEADROOM_BYTES = 4 * 2**30  # left free beside weights and KV: activations, graph pools, allocator slack
 BLOCK_SIZE = RolloutConfig().kv_block_size
+STEP_TOKENS = RolloutConfig().max_step_tokens  # the engines' least max_step_tokens (the engine's default)
 TINY_ARGS = dict(
     device="cpu",
     dtype="float32",
     batches=[1, 4],
     contexts=[16, 40],
     expert_tokens=[1, 8, 32],
+    prefill_points=[(1, 8), (2, 16)],
     overlap=[(2, 16, 8)],
     step_layers=2,
     step_batches=[1, 4],
@@ -127,7 +144,8 @@ class LayerProfile(Layer):
     """rollout_expertplex's Layer (MoE layers of an engine with random weights, expert inputs of T tokens) with
     `num_layers` layers (one per graph rep) whose KV cache holds `num_positions` positions for up to `max_rows`
     rows of `max_len`, so the layers' attention runs over real cached context too (the cache filled by
-    fill_cache)."""
+    fill_cache), and whose steps take up to `max_step_tokens` tokens (a prefill pass of that many). Its experts
+    run the `expert_kernel` path (RolloutConfig.expert_kernel)."""
 
     def __init__(
         self,
@@ -138,14 +156,14 @@ class LayerProfile(Layer):
         max_len: int,
         num_positions: int,
         num_layers: int = 1,
+        max_step_tokens: int = STEP_TOKENS,
+        expert_kernel: str = "auto",
     ) -> None:
-        config = RolloutConfig(
-            max_model_len=max_len,
-            max_batch_size=max_rows,
-            max_step_tokens=max(2048, max_rows),
-            kv_cache_tokens=num_positions,
-            cuda_graphs=False,  # the engine's runner is not used; pieces are captured one by one
+        sizes = dict(
+            max_rows=max_rows, max_len=max_len, num_positions=num_positions, max_step_tokens=max_step_tokens
         )
+        # the engine's runner is not used; pieces are captured one by one
+        config = sized_config(sizes, expert_kernel, cuda_graphs=False)
         self.engine = RolloutEngine.from_config(model_config(cfg, num_layers), device, dtype, config)
         self.model, self.layer, self.spec = self.engine.model, self.engine.weights.layers[0], self.engine.spec
         self.device, self.dtype, self.num_layers = device, dtype, num_layers
@@ -157,8 +175,21 @@ class LayerProfile(Layer):
         in the engine's block table with blocks for positions 0..context (rollout_decode.decode_step) and
         released on exit."""
         with decode_step(self.engine, batch, at_context(context), seed=seed) as inputs:
-            self.engine.cache.sync_table()
-            yield decode_batch(self.engine, inputs)
+            yield self.device_step(inputs)
+
+    @contextlib.contextmanager
+    def prefill_rows(self, seqs: int, length: int, seed: int = 0):
+        """A prefill-only StepBatch of `seqs` prompts of `length` random tokens, all from position 0: the rows
+        are opened in the engine's block table with blocks for positions 0..length-1
+        (rollout_decode.prefill_step) and released on exit."""
+        with prefill_step(self.engine, seqs, length, seed=seed) as inputs:
+            yield self.device_step(inputs)
+
+    def device_step(self, inputs: StepInputs) -> StepBatch:
+        """The step on the device, the block table copied first: the parts read it without the runner (which
+        copies it in its staging)."""
+        self.engine.cache.sync_table()
+        return device_batch(self.engine, inputs)
 
     def attention(
         self, step: StepBatch, x_TH: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor, i: int = 0
@@ -169,24 +200,49 @@ class LayerProfile(Layer):
         weights_TK, ids_TK = self.model.route(self.engine.weights.layers[i], h_TH)
         return dict(h_TH=h_TH, weights_TK=weights_TK, ids_TK=ids_TK, residual_TH=x_TH)
 
-    def experts(self, x: dict[str, torch.Tensor], i: int = 0) -> torch.Tensor:
-        """residual + layer i's routed experts, through the engine's default kernel for this token count (all
-        decode)."""
+    def experts(self, x: dict[str, torch.Tensor], i: int = 0, phase: str = "decode") -> torch.Tensor:
+        """residual + layer i's routed experts, through the engine's expert path for this token count: every
+        token a decode row (phase "decode") or none (phase "prefill", a prefill pass): the persistent kernel
+        cuts decode and prefill pairs into tiles of different heights (BLOCK_M_DECODE, BLOCK_M_PREFILL)."""
+        num_tokens = x["h_TH"].shape[0]
         return self.model.experts(
             self.engine.weights.layers[i],
             x["h_TH"],
             x["weights_TK"],
             x["ids_TK"],
             x["residual_TH"],
-            x["h_TH"].shape[0],
+            num_tokens if phase == "decode" else 0,
         )
 
     def expert_path(self, num_tokens: int) -> str:
-        """The path `experts` takes for num_tokens decode tokens (the engine's rule, e.g. padded_capacity)."""
-        if self.model.persistent:
-            return "persistent"
+        """The path `experts` takes for num_tokens decode tokens: the engine's kernel, where "padded" falls back
+        to grouped GEMMs outside 8-64 pairs per expert (padded_capacity)."""
+        kernel = kernel_of(self.model)
+        if kernel != "padded":
+            return kernel
         padded = self.model.capacity_for(num_tokens * self.spec.top_k, self.spec.num_experts) is not None
         return "padded" if padded else "grouped"
+
+
+def kernel_of(model: MoeDecoder) -> str:
+    """The expert path the model runs (what RolloutConfig.expert_kernel resolved to on its device): "persistent"
+    (the Triton kernel), "padded" (padded bmm where padded_capacity allows) or "grouped" (grouped GEMMs)."""
+    if model.persistent:
+        return "persistent"
+    return "padded" if model.capacity_for is padded_capacity else "grouped"
+
+
+def sized_config(sizes: dict, expert_kernel: str, cuda_graphs: bool) -> RolloutConfig:
+    """The RolloutConfig of an engine of engine_sizes' `sizes` (its steps at least the engine's default
+    max_step_tokens and one token per row)."""
+    return RolloutConfig(
+        max_model_len=sizes["max_len"],
+        max_batch_size=sizes["max_rows"],
+        max_step_tokens=max(STEP_TOKENS, sizes["max_rows"], sizes["max_step_tokens"]),
+        kv_cache_tokens=sizes["num_positions"],
+        cuda_graphs=cuda_graphs,
+        expert_kernel=expert_kernel,
+    )
 
 
 def at_context(context: int, repeats: int = 0) -> argparse.Namespace:
@@ -195,13 +251,15 @@ def at_context(context: int, repeats: int = 0) -> argparse.Namespace:
     return argparse.Namespace(prompt_len=context, new_tokens=0, repeats=repeats)
 
 
-def decode_batch(engine: RolloutEngine, inputs: StepInputs) -> StepBatch:
-    """The device batch of a decode-only step, as the runner builds it (no prefill tiles, its split-K rule)."""
+def device_batch(engine: RolloutEngine, inputs: StepInputs) -> StepBatch:
+    """The device batch of a step as the runner builds it, at the step's exact (unpadded) shape: decode rows
+    with its split-K rule, prefill pieces cut into its attention tiles, the sampled tokens."""
     n = inputs.num_decode
-    splits = decode_splits(n, engine.spec.num_kv_heads, engine.runner.num_sms)
-    no_tiles_2Q = torch.zeros(2, 0, dtype=torch.int32, device=engine.device)
-    sample_S = torch.arange(n, device=engine.device)
-    return step_batch(torch.from_numpy(inputs.tokens_T4).to(engine.device), no_tiles_2Q, n, splits, sample_S)
+    splits = decode_splits(n, engine.spec.num_kv_heads, engine.runner.num_sms) if n else 1
+    starts, lengths = prefill_tiles(inputs.pieces, engine.runner.tile)
+    tiles_2Q = torch.tensor([starts, lengths], dtype=torch.int32).to(engine.device)
+    sample_S = torch.from_numpy(inputs.samples_S).to(engine.device)
+    return step_batch(torch.from_numpy(inputs.tokens_T4).to(engine.device), tiles_2Q, n, splits, sample_S)
 
 
 # --------------------------------------------------------------------------------------------- timing
@@ -275,14 +333,29 @@ def kv_budget(spec: MoeModelSpec, device: torch.device, dtype: torch.dtype) -> i
     return available_bytes(device) - weight_bytes(spec, dtype) - HEADROOM_BYTES
 
 
-def engine_sizes(points: list[tuple[int, int]]) -> dict:
-    """max_rows, max_len and num_positions of a cache that holds each point (one at a time)."""
-    blocks = [b * -(-(c + 1) // BLOCK_SIZE) for b, c in points]
-    longest = max(c for _, c in points) + 1
+def prefill_fitting(prefill: list[tuple[int, int]], spec: MoeModelSpec, dtype: torch.dtype, budget: int):
+    """`fitting` of prefill points (seqs, length): (those that fit, {point: why not} for the others)."""
+    fit, why = fitting(as_rows(prefill), spec, dtype, budget)
+    return [(n, c + 1) for n, c in fit], {(n, c + 1): reason for (n, c), reason in why.items()}
+
+
+def as_rows(prefill: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Prefill points (seqs, length) as the cache rows they hold, (batch, context) as a decode point names them:
+    `seqs` rows of positions 0..length-1, i.e. at context length - 1."""
+    return [(n, s - 1) for n, s in prefill]
+
+
+def engine_sizes(points: list[tuple[int, int]], prefill: list[tuple[int, int]] = ()) -> dict:
+    """max_rows, max_len and num_positions of a cache that holds each decode point (batch, context) and each
+    prefill point (seqs, length), one at a time; max_step_tokens for the largest prefill step."""
+    rows = [*points, *as_rows(prefill)]
+    blocks = [b * -(-(c + 1) // BLOCK_SIZE) for b, c in rows]
+    longest = max(c for _, c in rows) + 1
     return dict(
-        max_rows=max(b for b, _ in points),
+        max_rows=max(b for b, _ in rows),
         max_len=-(-longest // BLOCK_SIZE) * BLOCK_SIZE,
         num_positions=max(blocks) * BLOCK_SIZE,
+        max_step_tokens=max([STEP_TOKENS, *(n * s for n, s in prefill)]),
     )
 
 
@@ -303,6 +376,15 @@ class Recorder:
 
     def over(self) -> bool:
         return time.monotonic() > self.deadline
+
+    def built(self, engine: RolloutEngine) -> None:
+        """Record the expert path the engine runs as the profile's expert_kernel. Every engine is built from
+        the same --expert-kernel on the same device, so they agree; one that did not would make the profile
+        mix paths under one name, hence the error."""
+        kernel = kernel_of(engine.model)
+        if self.out["expert_kernel"] not in (None, kernel):
+            raise RuntimeError(f"an engine runs {kernel} experts, an earlier one {self.out['expert_kernel']}")
+        self.out["expert_kernel"] = kernel
 
     def skip(self, name: str, point: dict, reason: str) -> None:
         self.out["skipped"].append({"section": name, **point, "reason": reason})
@@ -332,16 +414,40 @@ class Recorder:
             self.out[name].append({**point, **row})
             print(f"[{time.monotonic() - self.start:.0f} s]", name, self.out[name][-1], flush=True)
 
+    def points(self, name: str, points: dict[tuple, dict], why: dict[tuple, str], measure) -> list[dict]:
+        """Each point (its key -> its row keys) measured as {**point, **measure(*key)}, or skipped with why[key]
+        where it does not fit. Returns the section's rows."""
+        for key, point in points.items():
+            if key in why:
+                self.skip(name, point, why[key])
+            else:
+                self.point(name, point, lambda k=key: measure(*k))
+        return self.out[name]
+
 
 def attention_ms(prof: LayerProfile, batch: int, context: int, args) -> float:
+    """The attention part of a decode step of `batch` rows each at position `context`, per rep."""
     with prof.decode_rows(batch, context, seed=batch + context) as step:
-        x_TH, cos_TD, sin_TD = prof.model.embed(step)
-        return per_rep_ms(prof, lambda i: prof.attention(step, x_TH, cos_TD, sin_TD, i), args)
+        return step_attention_ms(prof, step, args)
 
 
-def experts_ms(prof: LayerProfile, tokens: int, args) -> float:
+def prefill_attention_ms(prof: LayerProfile, seqs: int, length: int, args) -> float:
+    """The attention part of a prefill-only step of `seqs` prompts of `length` tokens from position 0, per rep:
+    what a prefill attention worker runs per layer."""
+    with prof.prefill_rows(seqs, length, seed=seqs + length) as step:
+        return step_attention_ms(prof, step, args)
+
+
+def step_attention_ms(prof: LayerProfile, step: StepBatch, args) -> float:
+    """Attention block + router of the step's tokens (LayerProfile.attention), per rep (per_rep_ms)."""
+    x_TH, cos_TD, sin_TD = prof.model.embed(step)
+    return per_rep_ms(prof, lambda i: prof.attention(step, x_TH, cos_TD, sin_TD, i), args)
+
+
+def experts_ms(prof: LayerProfile, tokens: int, args, phase: str = "decode") -> float:
+    """The experts of a pass of `tokens` tokens of `phase` (LayerProfile.experts), per rep."""
     x = prof.inputs(tokens, seed=tokens)
-    return per_rep_ms(prof, lambda i: prof.experts(x, i), args)
+    return per_rep_ms(prof, lambda i: prof.experts(x, i, phase), args)
 
 
 def overlap_row(prof: LayerProfile, batch: int, context: int, tokens: int, args) -> dict:
@@ -368,7 +474,7 @@ def step_parts(prof: LayerProfile, batch: int, context: int, rows: dict, args) -
     """(attention ms at batch x context, experts ms at `batch` tokens): the sections' rows where they have the
     point, else measured now the same way."""
     attention = {(r["batch"], r["context"]): r["ms"] for r in rows["attention"]}.get((batch, context))
-    experts = {r["tokens"]: r["ms"] for r in rows["experts"]}.get(batch)
+    experts = {r["tokens"]: r["ms"] for r in rows["experts"] if r["phase"] == "decode"}.get(batch)
     if attention is None:
         attention = attention_ms(prof, batch, context, args)
     if experts is None:
@@ -378,30 +484,39 @@ def step_parts(prof: LayerProfile, batch: int, context: int, rows: dict, args) -
 
 # --------------------------------------------------------------------------------------------- sections
 def layer_sections(run: Recorder, args, base: dict, device: torch.device, dtype: torch.dtype) -> None:
-    """Sections attention and experts, and the parts of the overhead section's points (run.parts), on one
-    LayerProfile of `--graph-reps` layers whose cache holds their largest point."""
+    """Sections attention, prefill_attention and experts, and the parts of the overhead section's points
+    (run.parts), on one LayerProfile of `--graph-reps` layers whose cache holds their largest point and whose
+    steps take the largest prefill point."""
     spec = MoeModelSpec.from_hf_config(model_config(base, args.graph_reps))
     grid = [(b, c) for c in args.contexts for b in args.batches]
-    points = grid + step_grid(args)
-    fit, why = fitting(points, spec, dtype, kv_budget(spec, device, dtype))
-    prof = LayerProfile(base, device, dtype, **engine_sizes(fit or [(1, 1)]), num_layers=args.graph_reps)
-    run.out["meta"]["expert_paths"] = {t: prof.expert_path(t) for t in args.expert_tokens}
+    budget = kv_budget(spec, device, dtype)
+    fit, why = fitting(grid + step_grid(args), spec, dtype, budget)
+    prefill_fit, prefill_why = prefill_fitting(args.prefill_points, spec, dtype, budget)
+    sizes = engine_sizes(fit, prefill_fit) if fit or prefill_fit else engine_sizes([(1, 1)])
+    prof = LayerProfile(
+        base, device, dtype, **sizes, num_layers=args.graph_reps, expert_kernel=args.expert_kernel
+    )
+    run.built(prof.engine)
+    tokens = sorted({*args.expert_tokens, *args.prefill_expert_tokens})
+    run.out["meta"]["expert_paths"] = {t: prof.expert_path(t) for t in tokens}
 
     def attention() -> list[dict]:
-        for batch, context in grid:
-            point = {"batch": batch, "context": context}
-            if (batch, context) in why:
-                run.skip("attention", point, why[batch, context])
-            else:
-                run.point(
-                    "attention", point, lambda b=batch, c=context: {"ms": attention_ms(prof, b, c, args)}
-                )
-        return run.out["attention"]
+        points = {(b, c): {"batch": b, "context": c} for b, c in grid}
+        return run.points("attention", points, why, lambda b, c: {"ms": attention_ms(prof, b, c, args)})
+
+    def prefill_attention() -> list[dict]:
+        points = {(n, s): {"seqs": n, "length": s} for n, s in args.prefill_points}
+        return run.points(
+            "prefill_attention",
+            points,
+            prefill_why,
+            lambda n, s: {"ms": prefill_attention_ms(prof, n, s, args)},
+        )
 
     def experts() -> list[dict]:
-        for tokens in args.expert_tokens:
-            run.point("experts", {"tokens": tokens}, lambda t=tokens: {"ms": experts_ms(prof, t, args)})
-        return run.out["experts"]
+        points = {(t, "decode"): {"tokens": t, "phase": "decode"} for t in args.expert_tokens}
+        points |= {(t, "prefill"): {"tokens": t, "phase": "prefill"} for t in args.prefill_expert_tokens}
+        return run.points("experts", points, {}, lambda t, phase: {"ms": experts_ms(prof, t, args, phase)})
 
     def parts() -> None:
         for batch, context in step_grid(args):
@@ -414,7 +529,11 @@ def layer_sections(run: Recorder, args, base: dict, device: torch.device, dtype:
             if got is not None:
                 run.parts[batch, context] = got
 
-    for name, fn in (("attention", attention), ("experts", experts)):
+    for name, fn in (
+        ("attention", attention),
+        ("prefill_attention", prefill_attention),
+        ("experts", experts),
+    ):
         section(name, fn, run.out)
         save(run.out, args.json)
     run.mark("the overhead's parts")
@@ -431,7 +550,13 @@ def overlap_section(run: Recorder, args, base: dict, device: torch.device, dtype
         return run.out["overlap"]
     spec = MoeModelSpec.from_hf_config(model_config(base, args.graph_reps))
     fit, why = fitting([(b, c) for b, c, _ in args.overlap], spec, dtype, kv_budget(spec, device, dtype))
-    prof = LayerProfile(base, device, dtype, **engine_sizes(fit), num_layers=args.graph_reps) if fit else None
+    prof = None
+    if fit:
+        sizes = engine_sizes(fit)
+        prof = LayerProfile(
+            base, device, dtype, **sizes, num_layers=args.graph_reps, expert_kernel=args.expert_kernel
+        )
+        run.built(prof.engine)
     for batch, context, tokens in args.overlap:
         point = {"batch": batch, "context": context, "tokens": tokens}
         if (batch, context) in why:
@@ -446,39 +571,60 @@ def step_grid(args) -> list[tuple[int, int]]:
     return [(b, c) for c in args.step_contexts for b in args.step_batches]
 
 
-def step_engine(run: Recorder, args, base: dict, num_layers: int, device, dtype):
-    """(an engine of `num_layers` layers, CUDA graphs on unless --eager, whose KV holds the largest step point
-    that fits, or None; {point: why not} for the points that do not fit)."""
+def step_engine(run: Recorder, args, base: dict, num_layers: int, device, dtype, prefill=()):
+    """(an engine of `num_layers` layers, CUDA graphs on unless --eager, the --expert-kernel path, whose KV holds
+    the largest step point and the largest `prefill` point (seqs, length) that fit and whose steps take that
+    prefill whole, or None; {point: why not} for the step points and for the prefill points that do not
+    fit)."""
     cfg = model_config(base, num_layers)
     spec = MoeModelSpec.from_hf_config(cfg)
-    fit, why = fitting(step_grid(args), spec, dtype, kv_budget(spec, device, dtype))
-    if not fit or run.over():  # past the budget every point is skipped: no engine to build
-        return None, why
-    sizes = engine_sizes(fit)
-    config = RolloutConfig(
-        max_model_len=sizes["max_len"],
-        max_batch_size=sizes["max_rows"],
-        max_step_tokens=max(2048, sizes["max_rows"]),
-        kv_cache_tokens=sizes["num_positions"],
-        cuda_graphs=not args.eager,
-    )
+    budget = kv_budget(spec, device, dtype)
+    fit, why = fitting(step_grid(args), spec, dtype, budget)
+    prefill_fit, prefill_why = prefill_fitting(list(prefill), spec, dtype, budget)
+    if not (fit or prefill_fit) or run.over():  # past the budget every point is skipped: no engine to build
+        return None, why, prefill_why
+    config = sized_config(engine_sizes(fit, prefill_fit), args.expert_kernel, cuda_graphs=not args.eager)
     engine = RolloutEngine.from_config(cfg, device=device, dtype=dtype, config=config, seed=0)
+    run.built(engine)
     fill_cache(engine)
-    return engine, why
+    return engine, why, prefill_why
+
+
+def prefill_step_ms(engine: RolloutEngine, seqs: int, length: int, args, device: torch.device) -> float:
+    """Median time of one whole runner step prefilling `seqs` prompts of `length` tokens from position 0
+    (rollout_decode.time_step; a step of more than cuda_graph_max_tokens tokens runs eagerly, as the engine
+    runs it)."""
+    with prefill_step(engine, seqs, length, seed=seqs + length) as inputs:
+        return time_step(engine, inputs, args.repeats, device)
 
 
 def steps_section(run: Recorder, args, base: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    """Whole decode steps of a `--step-layers` engine where the KV fits."""
-    engine, why = step_engine(run, args, base, args.step_layers, device, dtype)
-    for batch, context in step_grid(args):
-        point = {"layout": "replicas", "batch": batch, "context": context, "num_layers": args.step_layers}
-        if (batch, context) in why:
-            run.skip("steps", point, why[batch, context])
-            continue
-        timing = at_context(context, args.repeats)
-        run.point(
-            "steps", point, lambda e=engine, b=batch, t=timing: {"step_ms": time_replay(e, b, t, device)}
-        )
+    """Whole decode steps and prefill-only steps of a `--step-layers` engine where the KV fits (rows marked by
+    their phase)."""
+    engine, why, prefill_why = step_engine(
+        run, args, base, args.step_layers, device, dtype, args.prefill_points
+    )
+
+    def point(phase: str, batch: int, context: int) -> dict:
+        return {
+            "layout": "replicas",
+            "phase": phase,
+            "batch": batch,
+            "context": context,
+            "num_layers": args.step_layers,
+        }
+
+    decode = {(b, c): point("decode", b, c) for b, c in step_grid(args)}
+    prefill = {(n, s): point("prefill", n, s) for n, s in args.prefill_points}
+    run.points(
+        "steps",
+        decode,
+        why,
+        lambda b, c: {"step_ms": time_replay(engine, b, at_context(c, args.repeats), device)},
+    )
+    run.points(
+        "steps", prefill, prefill_why, lambda n, s: {"step_ms": prefill_step_ms(engine, n, s, args, device)}
+    )
     engine = None  # its KV cache goes before the JSON is written
     free_memory()
     return run.out["steps"]
@@ -499,7 +645,7 @@ def overhead_row(engine: RolloutEngine, batch: int, context: int, parts, args, d
 def overhead_section(run: Recorder, args, base: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """The step's fixed cost at every step point: a ONE-layer engine's whole step minus run.parts (that layer's
     attention and experts, measured by layer_sections)."""
-    engine, why = step_engine(run, args, base, 1, device, dtype)
+    engine, why, _ = step_engine(run, args, base, 1, device, dtype)
     for batch, context in step_grid(args):
         point = {"batch": batch, "context": context}
         parts = run.parts.get((batch, context))
@@ -525,6 +671,7 @@ def new_profile(args, base: dict, device: torch.device) -> dict:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": args.dtype,
         "copy_GBps": args.bandwidth / 1e9,
+        "expert_kernel": None,  # the path the engines run, set as the first is built (Recorder.built)
         "model": {
             "hidden_size": spec.hidden_size,
             "num_experts": spec.num_experts,
@@ -537,6 +684,7 @@ def new_profile(args, base: dict, device: torch.device) -> dict:
             "vocab_size": spec.vocab_size,
         },
         "attention": [],
+        "prefill_attention": [],
         "experts": [],
         "overlap": [],
         "steps": [],
@@ -561,10 +709,13 @@ def print_tables(out: dict) -> None:
     for b in batches:
         cells = (f"{attention[b, c]:.3f}" if (b, c) in attention else "-" for c in contexts)
         print(f"| {b} | " + " | ".join(cells) + " |")
+    print("\n| prefill seqs | length | attention ms per layer |\n|---|---|---|")
+    for r in out["prefill_attention"]:
+        print(f"| {r['seqs']} | {r['length']} | {r['ms']:.3f} |")
     paths = out["meta"].get("expert_paths", {})
-    print("\n| expert tokens | ms | path |\n|---|---|---|")
+    print(f"\n| expert tokens | phase | ms | path ({out['expert_kernel']}) |\n|---|---|---|---|")
     for r in out["experts"]:
-        print(f"| {r['tokens']} | {r['ms']:.3f} | {paths.get(r['tokens'], '-')} |")
+        print(f"| {r['tokens']} | {r['phase']} | {r['ms']:.3f} | {paths.get(r['tokens'], '-')} |")
     print("\n| batch | context | tokens | attention ms | experts ms | sum ms | two streams ms | saved |")
     print("|---|---|---|---|---|---|---|---|")
     for r in out["overlap"]:
@@ -573,9 +724,12 @@ def print_tables(out: dict) -> None:
             f"| {r['batch']} | {r['context']} | {r['tokens']} | {r['attention_ms']:.3f} | {r['experts_ms']:.3f} | "
             f"{r['sum_ms']:.3f} | {r['two_streams_ms']:.3f} | {100 * saved:.0f}% |"
         )
-    print("\n| layout | layers | batch | context | step ms |\n|---|---|---|---|---|")
+    print("\n| layout | layers | phase | batch | context | step ms |\n|---|---|---|---|---|---|")
     for r in out["steps"]:
-        print(f"| {r['layout']} | {r['num_layers']} | {r['batch']} | {r['context']} | {r['step_ms']:.2f} |")
+        print(
+            f"| {r['layout']} | {r['num_layers']} | {r['phase']} | {r['batch']} | {r['context']} | "
+            f"{r['step_ms']:.2f} |"
+        )
     print("\n| batch | context | 1-layer step ms | attention ms | experts ms | overhead ms |")
     print("|---|---|---|---|---|---|")
     for r in out["overhead"]:
@@ -596,6 +750,14 @@ def overlap_points(text: str) -> list[tuple[int, int, int]]:
     return [tuple(int(x) for x in p.split(":")) for p in text.split(",") if p]
 
 
+def prefill_points(text: str) -> list[tuple[int, int]]:
+    """seqs:length,... (a command-line option): prompts per prefill step and tokens per prompt, both >= 1."""
+    points = [tuple(int(x) for x in p.split(":")) for p in text.split(",") if p]
+    if any(len(p) != 2 or min(p) < 1 for p in points):
+        raise argparse.ArgumentTypeError(f"want seqs:length,... of positive ints, got {text!r}")
+    return points
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", action="store_true", help="measure and write the profile JSON")
@@ -606,7 +768,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # inside --time-budget-s 200: the fits have 3 coefficients each, and the step points are among them
     ap.add_argument("--batches", type=int_list, default=[1, 32, 128, 256])
     ap.add_argument("--contexts", type=int_list, default=[1024, 4096, 13312])
-    ap.add_argument("--expert-tokens", type=int_list, default=[1, 8, 32, 64, 256, 1024, 2048])
+    ap.add_argument("--expert-tokens", type=int_list, default=[1, 8, 32, 64, 256, 1024, 2048, 4096, 8192])
+    ap.add_argument(
+        "--prefill-points",
+        type=prefill_points,
+        default=prefill_points("1:512,1:2048,4:512,4:2048,1:8192"),
+        help="seqs:length points of the prefill_attention section and the steps section's prefill rows",
+    )
+    ap.add_argument(
+        "--prefill-expert-tokens",
+        type=int_list,
+        default=None,
+        help="token counts of the experts section's prefill passes (no decode rows); default: the "
+        "--prefill-points' seqs x length",
+    )
+    ap.add_argument(
+        "--expert-kernel",
+        default="auto",
+        choices=("auto", "grouped", "padded", "persistent"),
+        help="every engine's RolloutConfig.expert_kernel (auto: persistent on CUDA, grouped on the CPU)",
+    )
     ap.add_argument(
         "--overlap",
         type=overlap_points,
@@ -641,6 +822,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("nothing to do: pass --profile")
     if args.graph_reps < 1:
         ap.error("--graph-reps must be >= 1")
+    if args.prefill_expert_tokens is None:  # the prefill steps' passes, so the planner's fit has their points
+        args.prefill_expert_tokens = sorted({n * s for n, s in args.prefill_points})
     return args
 
 

@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,23 +29,34 @@ from rollout.plan.hardware import (
     model_preset,
     shape_from_spec,
 )
-from rollout.plan.profile import EXPERT_FORMS, LayerTimes, Profile, analytic_times, fitted_times, load_profile
+from rollout.plan.profile import (
+    EXPERT_FORMS,
+    PHASES,
+    LayerTimes,
+    Profile,
+    analytic_times,
+    fitted_times,
+    load_profile,
+)
 from rollout.plan.report import (
     check_row,
     format_checks,
     format_plan,
     format_table,
     plan_row,
+    predict_replica_step,
     search_meta,
     validate,
 )
 from rollout.plan.search import DISPATCH_MODES, Cluster, Search, Workload, search_plans
 from rollout.plan.shared import (
+    build_kernels,
     drift_goodputs,
     format_drift,
     format_shared,
     make_ctx,
     plan_shared,
+    predict_step_ms,
     shared_rows,
 )
 
@@ -81,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
         default="routed",
         help="routed: a token only to the expert workers holding its experts (rollout/disagg.py); all: to every one",
     )
-    p.add_argument("--profile", help="rollout-profile/2 (or /1) JSON (bench/rollout_disagg.py --profile)")
+    p.add_argument("--profile", help="rollout-profile/3 (or /2, /1) JSON (bench/rollout_disagg.py --profile)")
     p.add_argument("--expert-fit", choices=EXPERT_FORMS, default="touched", help="form of the T_e fit")
     p.add_argument("--layout", choices=("auto", "replicas", "disaggregated"), default="auto")
     p.add_argument("--micro-batches", default="3,4", help="m values to try, within 1..4")
@@ -92,7 +104,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--top", type=int, default=8, help="alternatives to print")
     p.add_argument("--json", help="write the result here")
-    p.add_argument("--validate", metavar="MEASURED", help="compare its 'steps' with the model and exit")
+    p.add_argument(
+        "--validate",
+        metavar="MEASURED",
+        help="compare its 'steps' with --arch's model (decode: decode steps; shared: decode and prefill) and exit",
+    )
     p.add_argument("--tpot-ms", type=float, default=50.0, help="--arch shared: decode time-per-token SLO")
     p.add_argument("--prefill-tokens", type=int, default=16384, help="--arch shared: tokens per prefill pass")
     p.add_argument("--drift", help="--arch shared: prompt:output pairs to evaluate the chosen pools under")
@@ -162,17 +178,24 @@ def print_times(times: LayerTimes) -> None:
 
 
 def run_validate(args: argparse.Namespace, s: Search, profile: Profile | None) -> dict[str, Any]:
+    """The measured steps of --validate against the model of --arch, fitted to --profile, else to the measured
+    file's own layer rows (else the roofline)."""
     measured = load_profile(args.validate)
-    times = s.times
-    if profile is None and measured.attention and measured.experts:
-        times = fitted_times(measured, s.cluster.gpu, args.expert_fit)
-    checks = validate(times, s.model, measured.steps)
-    print_times(times)
+    own = profile is None and bool(measured.attention and measured.experts)
+    if args.arch == "shared":
+        kernels = build_kernels(s, measured if own else profile)
+        checks = validate(measured.steps, partial(predict_step_ms, kernels, s.model), PHASES)
+        source, note = kernels.source, None
+    else:
+        times = fitted_times(measured, s.cluster.gpu, args.expert_fit) if own else s.times
+        checks = validate(measured.steps, partial(predict_replica_step, times, s.model))
+        source, note = times.source, times.note
+    print(f"times: {source}" + (f"\nnote: {note}" if note else ""))
     print(format_checks(checks))
     return {
         "validate": str(args.validate),
-        "times": times.source,
-        "note": times.note,
+        "times": source,
+        "note": note,
         "rows": [check_row(c) for c in checks],
     }
 

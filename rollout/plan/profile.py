@@ -1,5 +1,10 @@
-"""Per-layer times of one GPU: read from a profile JSON (`rollout-profile/2` or `/1`, written by
+"""Per-layer times of one GPU: read from a profile JSON (`rollout-profile/3`, `/2` or `/1`, written by
 `bench/rollout_disagg.py --profile`) and fitted, or built from the roofline of a GPU preset.
+
+Schema /3 adds what the ExpertPlex planner (rollout/plan/shared.py) needs to be checked on one GPU: the expert
+path the engine ran (`expert_kernel`), `prefill_attention` rows (one layer's attention for `seqs` prompts of
+`length` tokens from position 0), a `phase` on `experts` rows (decode: every token a decode row; prefill: none)
+and on `steps` rows (prefill steps: `batch` prompts of `context` tokens).
 
 Fits (non-negative least squares on relative error, so that 0.05 ms and 5 ms points weigh alike and every slope
 stays >= 0, which keeps times monotone in the batch and the binary search of the planner exact):
@@ -35,8 +40,10 @@ import numpy as np
 from rollout.plan.hardware import GpuSpec, ModelShape
 from rollout.plan.perf import distinct_experts, roofline_ms
 
-SCHEMA = "rollout-profile/2"
-SCHEMAS = ("rollout-profile/1", SCHEMA)  # /1: no "overhead" section, times of one graph per layer part
+SCHEMA = "rollout-profile/3"
+# /1: no "overhead" section, times of one graph per layer part; /2: no prefill rows, no phases
+SCHEMAS = ("rollout-profile/1", "rollout-profile/2", SCHEMA)
+PHASES = ("decode", "prefill")
 MODEL_KEYS = ("hidden_size", "num_experts", "top_k", "moe_ffn", "num_heads", "num_kv_heads", "head_dim")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 EXPERT_FORMS = ("touched", "linear")
@@ -50,18 +57,32 @@ class AttentionPoint:
 
 
 @dataclass(frozen=True)
-class ExpertPoint:
-    tokens: int
+class PrefillPoint:
+    """One layer's attention (and router) for `seqs` prompts of `length` tokens, all from position 0."""
+
+    seqs: int
+    length: int
     ms: float
 
 
 @dataclass(frozen=True)
+class ExpertPoint:
+    tokens: int
+    ms: float
+    phase: str = "decode"  # which of the persistent kernel's tile sizes the pass used
+
+
+@dataclass(frozen=True)
 class StepPoint:
+    """A whole engine step of `num_layers` layers: decode (`batch` rows at `context` positions) or prefill
+    (`batch` prompts of `context` tokens from position 0)."""
+
     layout: str
     batch: int
     context: int
     num_layers: int
     step_ms: float
+    phase: str = "decode"
 
 
 @dataclass(frozen=True)
@@ -83,6 +104,8 @@ class Profile:
     experts: tuple[ExpertPoint, ...]
     steps: tuple[StepPoint, ...]
     overhead: tuple[OverheadPoint, ...] = ()
+    prefill_attention: tuple[PrefillPoint, ...] = ()
+    expert_kernel: str | None = None  # the expert path the profiled engine ran (schema /3)
 
 
 # ------------------------------------------------------------------------------------------- reading
@@ -108,11 +131,18 @@ def parse_profile(data: Any, where: str) -> Profile:
             for i, r in enumerate(_list(data, "attention", where))
         ),
         experts=tuple(
-            ExpertPoint(**_row(r, ("tokens", "ms"), "experts", i, where))
+            ExpertPoint(
+                **_row(r, ("tokens", "ms"), "experts", i, where), phase=_phase(r, "experts", i, where)
+            )
             for i, r in enumerate(_list(data, "experts", where))
         ),
         steps=tuple(_step(r, i, where) for i, r in enumerate(_list(data, "steps", where))),
         overhead=tuple(_overhead(r, i, where) for i, r in enumerate(_list(data, "overhead", where))),
+        prefill_attention=tuple(
+            PrefillPoint(**_row(r, ("seqs", "length", "ms"), "prefill_attention", i, where))
+            for i, r in enumerate(_list(data, "prefill_attention", where))
+        ),
+        expert_kernel=data.get("expert_kernel"),
     )
 
 
@@ -135,12 +165,19 @@ def _row(row: Any, keys: tuple[str, ...], section: str, i: int, where: str) -> d
     return out
 
 
+def _phase(row: dict, section: str, i: int, where: str) -> str:
+    phase = row.get("phase", "decode")
+    if phase not in PHASES:
+        raise ValueError(f"profile {where}: {section}[{i}] phase={phase!r}; expected one of {list(PHASES)}")
+    return phase
+
+
 def _step(row: Any, i: int, where: str) -> StepPoint:
     nums = _row(row, ("batch", "context", "num_layers", "step_ms"), "steps", i, where)
     layout = row.get("layout", "replicas")
     if layout != "replicas":
         raise ValueError(f"profile {where}: steps[{i}] layout={layout!r}; only 'replicas' steps are modelled")
-    return StepPoint(layout=layout, **nums)
+    return StepPoint(layout=layout, **nums, phase=_phase(row, "steps", i, where))
 
 
 def _overhead(row: Any, i: int, where: str) -> OverheadPoint:
@@ -347,6 +384,10 @@ def fit_experts(points: tuple[ExpertPoint, ...], model: ModelShape, form: str) -
     )
 
 
+def decode_points(points: tuple[ExpertPoint, ...]) -> tuple[ExpertPoint, ...]:
+    return tuple(p for p in points if p.phase == "decode")
+
+
 def fit_overhead(points: tuple[OverheadPoint, ...]) -> FittedOverhead:
     """O(b) = o0 + o1 b by NNLS on absolute error; o0 = max(0, mean) alone when the rows have one batch."""
     if not points:
@@ -370,7 +411,8 @@ def analytic_times(model: ModelShape, gpu: GpuSpec) -> LayerTimes:
 def fitted_times(profile: Profile, gpu: GpuSpec, form: str) -> LayerTimes:
     """Fits of the profile; the LM head keeps the roofline, with the profile's copy bandwidth when it has one."""
     attention = fit_attention(profile.attention, profile.model.num_kv_heads)
-    experts = fit_experts(profile.experts, profile.model, form)
+    # the replicas model times decode steps: prefill-phase passes (schema /3) use other tiles
+    experts = fit_experts(decode_points(profile.experts), profile.model, form)
     head_gpu = gpu
     if profile.copy_GBps:
         head_gpu = GpuSpec(

@@ -1,8 +1,9 @@
-"""Printing and JSON of plans, and `--validate`: measured whole decode steps against the model's prediction."""
+"""Printing and JSON of plans, and `--validate`: measured whole engine steps against the model's prediction."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,21 +110,26 @@ def predict_replica_step(times: LayerTimes, model: ModelShape, step: StepPoint) 
     return step.num_layers * layer + times.fixed_ms(model, step.batch, 1)
 
 
-def validate(times: LayerTimes, model: ModelShape, steps: tuple[StepPoint, ...]) -> list[Check]:
-    if not steps:
-        raise ValueError("--validate: the file has no 'steps' rows to compare")
-    return [Check(st, predict_replica_step(times, model, st)) for st in steps]
+def validate(
+    steps: tuple[StepPoint, ...], predict: Callable[[StepPoint], float], phases: tuple[str, ...] = ("decode",)
+) -> list[Check]:
+    """Each measured step of the given phases against `predict` (the replicas model times decode steps only;
+    the ExpertPlex model, rollout/plan/shared.py, both phases)."""
+    chosen = [st for st in steps if st.phase in phases]
+    if not chosen:
+        raise ValueError(f"--validate: the file has no {'/'.join(phases)} 'steps' rows to compare")
+    return [Check(st, predict(st)) for st in chosen]
 
 
 def format_checks(checks: list[Check]) -> str:
     lines = [
-        "| layout | layers | batch | context | measured ms | predicted ms | error | within 15% |",
+        "| phase | layers | batch | context | measured ms | predicted ms | error | within 15% |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for c in checks:
         st = c.step
         lines.append(
-            f"| {st.layout} | {st.num_layers} | {st.batch} | {st.context} | {st.step_ms:.3f} | "
+            f"| {st.phase} | {st.num_layers} | {st.batch} | {st.context} | {st.step_ms:.3f} | "
             f"{c.predicted_ms:.3f} | {100 * c.error:+.1f}% | {'yes' if c.ok else 'NO'} |"
         )
     good = sum(c.ok for c in checks)

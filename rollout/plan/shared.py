@@ -11,10 +11,15 @@ Architectures over N GPUs of one kind, for requests of `prompt_len` prompt and `
 Goodput (equation 1), in requests/s: min(B_p / T_p, B_d / (T_d O)) with B_p sequences per prefill pass of T_p,
 B_d decode rows per step of T_d, O output tokens. Kernel times (equation 2): t(x, s) = alpha + beta x + gamma x s
 + delta x s^2, fitted by non-negative least squares (relative error) to points: attention with x sequences and s
-their length (decode: the `attention` rows of a profile, else the roofline; prefill: the roofline, which the
-profile schema has no rows for), MoE with x = x_moe = sum_e ceil(m_e / M_t) tiles (equation 3; M_t = 16 for
-decode and 128 for prefill, rollout/kernels/persistent_moe.py's BLOCK_M_DECODE / BLOCK_M_PREFILL), from the
-profile's `experts` rows or the roofline converted to expected tiles, and s unused.
+their length (decode: the `attention` rows of a profile, else the roofline; prefill: the `prefill_attention`
+rows of a rollout-profile/3, else the roofline), MoE with x = x_moe = sum_e ceil(m_e / M_t) tiles (equation 3;
+M_t = 16 for decode and 128 for prefill, rollout/kernels/persistent_moe.py's BLOCK_M_DECODE / BLOCK_M_PREFILL),
+from the profile's `experts` rows of that phase (all rows when it has none of it) or the roofline converted to
+expected tiles, and s unused. A pass of b rows also pays the step's fixed cost O(b) (embedding, LM head,
+sampling, the host copy) where the profile has `overhead` rows; the roofline has none.
+One GPU checks the model (`python -m rollout.plan --arch shared --validate P`): a colocated instance of one GPU
+predicts a decode step of L layers as L (T_attn_d(b, C) + T_moe_d(x_moe(b))) + O(b) and a prefill pass of n
+prompts of s tokens as L (T_attn_p(n, s) + T_moe_p(x_moe(n s))) + O(n), against P's measured `steps`.
 
 Assumptions (where this departs from or goes beyond the paper):
 - Uniform routing (expected tiles); a pool splits its work evenly over its GPUs (x / n per GPU).
@@ -43,7 +48,7 @@ import numpy as np
 
 from rollout.plan.hardware import GB, GpuSpec, ModelShape, powers_of_two
 from rollout.plan.perf import comm_ms, expected_tiles, pingpong_iteration_ms, roofline_ms
-from rollout.plan.profile import Profile, relative_nnls
+from rollout.plan.profile import ExpertPoint, FittedOverhead, Profile, StepPoint, fit_overhead, relative_nnls
 from rollout.plan.search import Search, Workload, dispatch_bytes_per_token
 
 TILE_M_DECODE = 16  # rollout/kernels/persistent_moe.py BLOCK_M_DECODE (not imported: that module needs torch)
@@ -82,6 +87,10 @@ class Kernels:
     moe_decode: KernelFit  # x tiles of TILE_M_DECODE rows
     moe_prefill: KernelFit  # x tiles of TILE_M_PREFILL rows
     source: str
+    overhead: FittedOverhead | None = None  # O(b), a step's fixed cost
+
+    def fixed_ms(self, rows: float) -> float:
+        return self.overhead.ms(rows) if self.overhead is not None else 0.0
 
 
 @functools.lru_cache(maxsize=65536)
@@ -103,6 +112,13 @@ def prefill_attention_ms(model: ModelShape, gpu: GpuSpec, seqs: float, length: f
     return roofline_ms(weights + kv, flops, gpu.peak_flops, gpu.mem_bandwidth)
 
 
+def phase_points(points: tuple[ExpertPoint, ...], phase: str) -> list[tuple[int, float]]:
+    """(tokens, ms) of the expert passes of `phase`; every pass when the profile has none of that phase (schema
+    /1, /2, or an expert path whose cost does not depend on the phase)."""
+    chosen = [p for p in points if p.phase == phase] or list(points)
+    return [(p.tokens, p.ms) for p in chosen]
+
+
 def build_kernels(s: Search, profile: Profile | None) -> Kernels:
     """Equation 2 fitted per kernel; points from the profile where its schema has them, else the times model."""
     m, times, gpu = s.model, s.times, s.cluster.gpu
@@ -111,20 +127,49 @@ def build_kernels(s: Search, profile: Profile | None) -> Kernels:
         dec = [(p.batch, p.context, p.ms) for p in profile.attention]
     else:
         dec = [(b, c, times.attention.ms(b, c, 1)) for b in grid_b for c in grid_c]
-    pre = [(n, c, prefill_attention_ms(m, gpu, n, c)) for n in (1, 2, 8, 32) for c in (128, 512, 2048, 8192)]
-    if profile and profile.experts:
-        moe = [(p.tokens, p.ms) for p in profile.experts]
+    if profile and profile.prefill_attention:
+        pre = [(p.seqs, p.length, p.ms) for p in profile.prefill_attention]
     else:
-        moe = [
-            (t, times.experts.ms(t, m.num_experts, 1)) for t in (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+        pre = [
+            (n, c, prefill_attention_ms(m, gpu, n, c)) for n in (1, 2, 8, 32) for c in (128, 512, 2048, 8192)
         ]
+    if profile and profile.experts:
+        moe_d, moe_p = phase_points(profile.experts, "decode"), phase_points(profile.experts, "prefill")
+    else:
+        grid_t = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+        moe_d = moe_p = [(t, times.experts.ms(t, m.num_experts, 1)) for t in grid_t]
+    overhead = fit_overhead(profile.overhead) if profile and profile.overhead else None
+    source = "profile rows" if profile else times.source
+    if not (profile and profile.prefill_attention):
+        source += "; prefill attention: roofline"
     return Kernels(
         decode_attention=fit_kernel(dec),
         prefill_attention=fit_kernel(pre),
-        moe_decode=fit_kernel((moe_tiles(m, t, TILE_M_DECODE), 0.0, ms) for t, ms in moe),
-        moe_prefill=fit_kernel((moe_tiles(m, t, TILE_M_PREFILL), 0.0, ms) for t, ms in moe),
-        source=("profile rows" if profile else times.source) + "; prefill attention: roofline",
+        moe_decode=fit_kernel((moe_tiles(m, t, TILE_M_DECODE), 0.0, ms) for t, ms in moe_d),
+        moe_prefill=fit_kernel((moe_tiles(m, t, TILE_M_PREFILL), 0.0, ms) for t, ms in moe_p),
+        source=source + ("; step fixed cost: profile overhead" if overhead else "; no step fixed cost"),
+        overhead=overhead,
     )
+
+
+# ------------------------------------------------------------------------------------ one GPU's passes
+def decode_pass_ms(k: Kernels, m: ModelShape, rows: float, context: float, layers: int, g: int = 1) -> float:
+    """L (T_attn_d(b / g, C) + T_moe_d(x_moe(b) / g)): a decode step's layers on an instance of g GPUs."""
+    moe = k.moe_decode.ms(moe_tiles(m, rows, TILE_M_DECODE) / g, 0.0)
+    return layers * (k.decode_attention.ms(rows / g, context) + moe)
+
+
+def prefill_pass_ms(k: Kernels, m: ModelShape, seqs: float, length: float, layers: int, g: int = 1) -> float:
+    """L (T_attn_p(n / g, s) + T_moe_p(x_moe(n s) / g)): a prefill pass's layers on an instance of g GPUs."""
+    moe = k.moe_prefill.ms(moe_tiles(m, seqs * length, TILE_M_PREFILL) / g, 0.0)
+    return layers * (k.prefill_attention.ms(seqs / g, length) + moe)
+
+
+def predict_step_ms(k: Kernels, m: ModelShape, step: StepPoint) -> float:
+    """A measured one-GPU engine step as the planner models it: its pass over its layers plus O(rows)."""
+    if step.phase == "prefill":
+        return prefill_pass_ms(k, m, step.batch, step.context, step.num_layers) + k.fixed_ms(step.batch)
+    return decode_pass_ms(k, m, step.batch, step.context, step.num_layers) + k.fixed_ms(step.batch)
 
 
 # ------------------------------------------------------------------------------------------ the layouts
@@ -215,7 +260,9 @@ def shared_outcome(c: Ctx, lay: Layout, b_d: int) -> Outcome:
     moe_d = k.moe_decode.ms(moe_tiles(m, micro, TILE_M_DECODE) / lay.num_expert, 0.0) + c.preempt_us * 1e-3
     attn_d = k.decode_attention.ms(micro / lay.num_decode, d.context_avg)
     comm_d = _comm(c, micro, lay.num_decode, lay.num_expert)
-    t_d = pingpong_iteration_ms(attn_d, moe_d, comm_d, lay.num_micro, m.num_layers)
+    t_d = pingpong_iteration_ms(attn_d, moe_d, comm_d, lay.num_micro, m.num_layers) + k.fixed_ms(
+        b_d / lay.num_decode
+    )
     share = 1.0 - m.num_layers * lay.num_micro * moe_d / t_d
     b_p = d.prefill_seqs * lay.num_prefill
     moe_p = k.moe_prefill.ms(moe_tiles(m, b_p * d.prompt_len, TILE_M_PREFILL) / lay.num_expert, 0.0) / share
@@ -227,15 +274,13 @@ def shared_outcome(c: Ctx, lay: Layout, b_d: int) -> Outcome:
 
 
 def _instance_times(c: Ctx, g: int, b_d: float, b_p: float) -> tuple[float, float]:
-    """(T_d, T_p) of one instance of g GPUs holding all weights: work split over g, all-to-all inside."""
-    k, m, d = c.kernels, c.model, c.demand
-    attn_d = k.decode_attention.ms(b_d / g, d.context_avg)
-    moe_d = k.moe_decode.ms(moe_tiles(m, b_d, TILE_M_DECODE) / g, 0.0)
-    attn_p = k.prefill_attention.ms(b_p / g, d.prompt_len)
-    moe_p = k.moe_prefill.ms(moe_tiles(m, b_p * d.prompt_len, TILE_M_PREFILL) / g, 0.0)
-    t_d = _pass_ms(c, attn_d, moe_d, _instance_comm(c, b_d, g))
-    t_p = _pass_ms(c, attn_p, moe_p, _instance_comm(c, b_p * d.prompt_len, g))
-    return t_d, t_p
+    """(T_d, T_p) of one instance of g GPUs holding all weights: work split over g, all-to-all inside, plus the
+    step's fixed cost (whole on every GPU of the instance)."""
+    k, m, d, L = c.kernels, c.model, c.demand, c.model.num_layers
+    t_d = decode_pass_ms(k, m, b_d, d.context_avg, L, g) + _pass_ms(c, 0.0, 0.0, _instance_comm(c, b_d, g))
+    comm_p = _instance_comm(c, b_p * d.prompt_len, g)
+    t_p = prefill_pass_ms(k, m, b_p, d.prompt_len, L, g) + _pass_ms(c, 0.0, 0.0, comm_p)
+    return t_d + k.fixed_ms(b_d), t_p + k.fixed_ms(b_p)
 
 
 def pd_outcome(c: Ctx, lay: Layout, b_d: int) -> Outcome:

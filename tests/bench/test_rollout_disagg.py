@@ -1,10 +1,12 @@
-"""bench/rollout_disagg.py --profile: the JSON follows the rollout-profile/2 schema with every requested point
-present or reported as skipped, a failing point does not stop the run, the attention part it times is the
-model's own layer (same output, reads the cached context through the block table), each timed rep runs its own
-layer, and the overhead rows are a one-layer step minus its layer."""
+"""bench/rollout_disagg.py --profile: the JSON follows the rollout-profile/3 schema with every requested point
+(decode and prefill) present or reported as skipped, a failing point does not stop the run, the attention part it
+times is the model's own layer (same output, reads the cached context through the block table) for decode rows
+and prefill prompts, the prefill steps it times are the engine's own prefill, each timed rep runs its own layer,
+the overhead rows are a one-layer step minus its layer, and --expert-kernel reaches every engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -20,15 +22,20 @@ sys.path.insert(0, str(REPO / "bench"))
 import rollout_decode  # noqa: E402
 import rollout_disagg as bench  # noqa: E402
 
+from rollout import SamplingParams  # noqa: E402
+from rollout.paged_attention import prefill_tiles  # noqa: E402
+from rollout.runner import POSITION, SEQ, TOKEN  # noqa: E402
+
 MODEL_KEYS = {
     "hidden_size", "num_experts", "top_k", "moe_ffn", "num_heads", "num_kv_heads", "head_dim", "num_layers",
     "vocab_size",
 }  # fmt: skip
 ROW_KEYS = {
     "attention": {"batch", "context", "ms"},
-    "experts": {"tokens", "ms"},
+    "prefill_attention": {"seqs", "length", "ms"},
+    "experts": {"tokens", "phase", "ms"},
     "overlap": {"batch", "context", "tokens", "attention_ms", "experts_ms", "sum_ms", "two_streams_ms"},
-    "steps": {"layout", "batch", "context", "num_layers", "step_ms"},
+    "steps": {"layout", "phase", "batch", "context", "num_layers", "step_ms"},
     "overhead": {"batch", "context", "ms", "step_ms", "attention_ms", "experts_ms"},
 }
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -45,12 +52,30 @@ def requested(args: dict) -> dict[str, list[dict]]:
     """Every point the arguments ask for, per section, as the keys that name it."""
     return {
         "attention": [{"batch": b, "context": c} for c in args["contexts"] for b in args["batches"]],
-        "experts": [{"tokens": t} for t in args["expert_tokens"]],
+        "prefill_attention": [{"seqs": n, "length": s} for n, s in args["prefill_points"]],
+        "experts": [{"tokens": t, "phase": "decode"} for t in args["expert_tokens"]]
+        + [{"tokens": t, "phase": "prefill"} for t in args["prefill_expert_tokens"]],
         "overlap": [{"batch": b, "context": c, "tokens": t} for b, c, t in args["overlap"]],
         "steps": [
-            {"layout": "replicas", "batch": b, "context": c, "num_layers": args["step_layers"]}
+            {
+                "layout": "replicas",
+                "phase": "decode",
+                "batch": b,
+                "context": c,
+                "num_layers": args["step_layers"],
+            }
             for c in args["step_contexts"]
             for b in args["step_batches"]
+        ]
+        + [
+            {
+                "layout": "replicas",
+                "phase": "prefill",
+                "batch": n,
+                "context": s,
+                "num_layers": args["step_layers"],
+            }
+            for n, s in args["prefill_points"]
         ],
         "overhead": [{"batch": b, "context": c} for c in args["step_contexts"] for b in args["step_batches"]],
     }
@@ -70,7 +95,8 @@ def profile(tmp_path_factory) -> dict:
 
 
 def test_profile_json_follows_the_schema(profile):
-    assert profile["schema"] == "rollout-profile/2"
+    assert profile["schema"] == "rollout-profile/3"
+    assert profile["expert_kernel"] == "grouped"  # --expert-kernel auto on the CPU
     assert profile["device"] == "cpu" and profile["dtype"] == "float32"
     assert isinstance(profile["copy_GBps"], float) and profile["copy_GBps"] > 0
     assert set(profile["model"]) == MODEL_KEYS
@@ -85,6 +111,33 @@ def test_profile_json_follows_the_schema(profile):
             assert all(isinstance(t, float) and math.isfinite(t) and t > 0 for t in times), (name, row)
     assert all(r["layout"] == "replicas" for r in profile["steps"])
     assert profile["errors"] == [] and not [k for k in profile if k.endswith("_error")]
+
+
+def test_steps_rows_carry_their_phase_and_every_prefill_point_is_timed(profile):
+    """The tiny run fits every point: the steps section has a decode row per step point and a prefill row per
+    prefill point (batch = prompts, context = their length), and prefill_attention a row per prefill point."""
+    args = profile["meta"]["args"]
+    phases = [r["phase"] for r in profile["steps"]]
+    assert set(phases) == {"decode", "prefill"}
+    assert phases.count("decode") == len(args["step_batches"]) * len(args["step_contexts"])
+    prefill = [(r["batch"], r["context"]) for r in profile["steps"] if r["phase"] == "prefill"]
+    assert prefill == [tuple(p) for p in args["prefill_points"]] == [(1, 8), (2, 16)]
+    assert [(r["seqs"], r["length"]) for r in profile["prefill_attention"]] == prefill
+    # the experts section's prefill passes default to those steps' token counts (the planner's prefill MoE fit)
+    assert args["prefill_expert_tokens"] == [8, 32]
+    assert [r["tokens"] for r in profile["experts"] if r["phase"] == "prefill"] == [8, 32]
+
+
+def test_an_experts_pass_of_the_prefill_phase_has_no_decode_rows(monkeypatch):
+    """Phase decode hands the model every token as a decode row, phase prefill none (the persistent kernel's
+    tile heights differ by phase)."""
+    prof = tiny_layer()
+    num_decode = []
+    monkeypatch.setattr(prof.model, "experts", lambda *args: num_decode.append(args[-1]))
+    x = prof.inputs(6, seed=0)
+    prof.experts(x, 0, "decode")
+    prof.experts(x, 0, "prefill")
+    assert num_decode == [6, 0]
 
 
 def test_every_requested_point_is_measured_or_skipped_with_a_reason(profile):
@@ -102,21 +155,26 @@ def test_every_requested_point_is_measured_or_skipped_with_a_reason(profile):
 def test_a_failing_point_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     measure = bench.experts_ms
 
-    def flaky(prof, tokens, args):
-        if tokens == 8:
+    def flaky(prof, tokens, args, phase="decode"):
+        if (tokens, phase) == (8, "decode"):
             raise RuntimeError("boom")
-        return measure(prof, tokens, args)
+        return measure(prof, tokens, args, phase)
 
     monkeypatch.setattr(bench, "experts_ms", flaky)
     out = run_tiny(tmp_path, "--expert-tokens", "1,8,32")
-    assert [r["tokens"] for r in out["experts"]] == [1, 32]
-    assert out["errors"] == [{"section": "experts", "tokens": 8, "error": "RuntimeError: boom"}]
+    assert [(r["tokens"], r["phase"]) for r in out["experts"]] == [
+        (1, "decode"), (32, "decode"), (8, "prefill"), (32, "prefill")
+    ]  # fmt: skip
+    assert out["errors"] == [
+        {"section": "experts", "tokens": 8, "phase": "decode", "error": "RuntimeError: boom"}
+    ]
     assert len(out["steps"]) == len(requested(out["meta"]["args"])["steps"])  # later sections still ran
 
 
 def test_points_past_the_time_budget_are_skipped_and_the_json_still_written(tmp_path):
     out = run_tiny(tmp_path, "--time-budget-s", "0")
     assert not out["attention"] and not out["experts"] and not out["steps"] and not out["overhead"]
+    assert not out["prefill_attention"]
     for name, points in requested(out["meta"]["args"]).items():
         assert all(len(find(out["skipped"], p, name)) == 1 for p in points)
 
@@ -169,6 +227,105 @@ def test_timed_attention_reads_each_rows_cached_context():
         after_TH = prof.attention(step, x_TH, cos_TD, sin_TD)["residual_TH"]
     assert not torch.allclose(after_TH[0], before_TH[0])
     torch.testing.assert_close(after_TH[1:], before_TH[1:], rtol=0, atol=0)
+
+
+def test_timed_prefill_attention_part_is_the_models_layer_forward():
+    """The same for a prefill-only step of 2 prompts of 20 tokens (two attention tiles or more, crossing a cache
+    block): the attention part then the experts give the model's own forward of the step, whose sampled rows
+    are the prompts' last tokens."""
+    prof = tiny_layer()
+    with torch.inference_mode(), prof.prefill_rows(2, 20, seed=5) as step:
+        assert step.attention.num_decode == 0 and step.positions_T.tolist() == [*range(20), *range(20)]
+        assert step.sample_S.tolist() == [19, 39] and len(set(step.attention.seq_T.tolist())) == 2
+        logits_SV, routes_TLK = prof.model.forward(step)
+        x_TH, cos_TD, sin_TD = prof.model.embed(step)
+        handed = prof.attention(step, x_TH, cos_TD, sin_TD)
+        out_TH = prof.experts(handed)
+        assert torch.equal(handed["ids_TK"], routes_TLK[:, 0])
+        torch.testing.assert_close(prof.model.logits(out_TH, step.sample_S), logits_SV, rtol=0, atol=0)
+
+
+def tiny_engine(layers: int = 2) -> bench.RolloutEngine:
+    """A float32 CPU engine of TINY widths whose cache holds random K/V (fill_cache), as the bench's engines."""
+    config = bench.RolloutConfig(max_model_len=64, max_batch_size=4, kv_cache_tokens=512, cuda_graphs=False)
+    engine = bench.RolloutEngine.from_config(
+        bench.model_config(bench.TINY, layers), torch.device("cpu"), torch.float32, config, seed=0
+    )
+    bench.fill_cache(engine)
+    return engine
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_runner_on_prefill_step_inputs_computes_the_engines_own_prefill(temperature):
+    """The runner's step on prefill_step's inputs gives the tokens, log-probs and routes that generate() gives
+    for the same prompts (one step that admits them whole; seeds 0..n-1 as prefill_step's). Wrong positions
+    (RoPE), cache rows (attention would read the random cache) or samples would change them. The CPU's
+    attention reads each token's own row, so wrong pieces would not: the GPU kernel takes a tile's row and
+    first position from its first token, so every tile the runner cuts from the pieces must be a run of one
+    prompt, and the tiles must cover the step's tokens once."""
+    engine = tiny_engine()
+    seqs, length = 3, 20
+    with torch.inference_mode(), rollout_decode.prefill_step(engine, seqs, length, seed=7) as inputs:
+        starts, lengths = prefill_tiles(inputs.pieces, engine.runner.tile)
+        covered = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lengths)])
+        np.testing.assert_array_equal(covered, np.arange(seqs * length))
+        for a, n in zip(starts, lengths):
+            tile_T4 = inputs.tokens_T4[a : a + n]
+            assert len(set(tile_T4[:, SEQ])) == 1 and (np.diff(tile_T4[:, POSITION]) == 1).all()
+        inputs = dataclasses.replace(inputs, temperature_S=np.full(seqs, temperature, dtype=np.float32))
+        out = engine.runner.run(inputs)
+        tokens_S, logprobs_S, routes_TLK = out.tokens_S.copy(), out.logprobs_S.copy(), out.routes_TLK.copy()
+        prompts = inputs.tokens_T4[:, TOKEN].reshape(seqs, length).tolist()
+    assert engine.cache.table.num_used_blocks == 0  # the rows were released
+    params = [
+        SamplingParams(max_new_tokens=1, temperature=temperature, seed=i, ignore_eos=True)
+        for i in range(seqs)
+    ]
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [[t] for t in tokens_S.tolist()]
+    np.testing.assert_allclose([o.logprobs[0] for o in outs], logprobs_S, rtol=1e-5, atol=1e-5)
+    routes = np.concatenate([o.routed_experts[:length] for o in outs]).astype(np.int64)
+    np.testing.assert_array_equal(routes, routes_TLK.astype(np.int64))
+
+
+def test_prefill_points_size_the_engines_and_those_that_do_not_fit_are_skipped():
+    """A prefill point of n prompts of s tokens holds n rows of positions 0..s-1 and needs steps of n s tokens:
+    the engines are sized for it, and a point whose KV or positions do not fit is skipped with the reason."""
+    spec = bench.MoeModelSpec.from_hf_config(bench.model_config(bench.TINY, 1))
+    budget = bench.kv_bytes(spec, 4, 99, 4)  # 4 rows of 100 positions
+    longest = spec.max_position_embeddings
+    fit, why = bench.prefill_fitting(
+        [(4, 100), (8, 100), (1, longest), (1, longest + 1)], spec, torch.float32, budget
+    )
+    assert fit == [(4, 100)] and set(why) == {(8, 100), (1, longest), (1, longest + 1)}
+    assert "GiB" in why[8, 100] and "max_position_embeddings" in why[1, longest + 1]
+    sizes = bench.engine_sizes([(2, 40)], [(4, 100), (1, 3000)])
+    assert sizes["max_step_tokens"] == 3000 and sizes["max_rows"] == 4 and sizes["max_len"] >= 3000
+    assert sizes["num_positions"] >= 3000 and bench.engine_sizes([(2, 40)])["max_step_tokens"] == 2048
+    args = bench.parse_args(["--profile", "--tiny", "--prefill-points", "1:3000,2:16", "--step-batches", "1"])
+    run = bench.Recorder(bench.new_profile(args, bench.TINY, torch.device("cpu")), args.time_budget_s)
+    engine, why, prefill_why = bench.step_engine(
+        run, args, bench.TINY, 1, torch.device("cpu"), torch.float32, args.prefill_points
+    )
+    assert not why and not prefill_why and engine.config.max_step_tokens >= 3000
+    with rollout_decode.prefill_step(engine, 1, 3000) as inputs:  # the cache holds it
+        assert inputs.num_tokens == 3000 and inputs.pieces == [(0, 3000)]
+
+
+def test_the_expert_kernel_option_reaches_every_engine(tmp_path, monkeypatch):
+    """--expert-kernel is every RolloutConfig's expert_kernel, and the JSON names the path the engines ran."""
+    kernels = []
+    config = bench.RolloutConfig
+
+    def recorded(**kwargs):
+        kernels.append(kwargs.get("expert_kernel"))
+        return config(**kwargs)
+
+    monkeypatch.setattr(bench, "RolloutConfig", recorded)
+    out = run_tiny(tmp_path, "--expert-kernel", "padded")
+    assert len(kernels) == 3 and set(kernels) == {"padded"}  # the layer, overhead and steps engines
+    assert out["expert_kernel"] == "padded" and out["errors"] == []
+    assert out["meta"]["expert_paths"] == {"1": "grouped", "8": "grouped", "32": "padded"}  # padded_capacity
 
 
 @pytest.mark.gpu
@@ -302,7 +459,7 @@ def test_step_rows_route_like_distinct_sequences():
     section assumes; rows fed one token over a zeroed cache would all pick the same K."""
     args = bench.parse_args(["--profile", "--tiny", "--step-batches", "8", "--step-contexts", "20"])
     run = bench.Recorder(bench.new_profile(args, bench.TINY, torch.device("cpu")), args.time_budget_s)
-    engine, why = bench.step_engine(run, args, bench.TINY, 2, torch.device("cpu"), torch.float32)
+    engine, why, _ = bench.step_engine(run, args, bench.TINY, 2, torch.device("cpu"), torch.float32)
     assert not why
     spec = engine.spec
     with torch.inference_mode(), bench.decode_step(engine, 8, bench.at_context(20)) as inputs:

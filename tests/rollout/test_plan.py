@@ -32,6 +32,7 @@ from rollout.plan.profile import (
     FittedOverhead,
     LayerTimes,
     OverheadPoint,
+    StepPoint,
     analytic_times,
     fit_attention,
     fit_experts,
@@ -51,6 +52,7 @@ from rollout.plan.search import (
     search_plans,
     with_latency,
 )
+from rollout.plan.shared import KernelFit, moe_tiles
 
 TINY = ModelShape(
     "tiny",
@@ -400,7 +402,7 @@ def test_cli_rejects_a_wrong_profile(tmp_path, capsys):
     bad.write_text(json.dumps({"schema": "something-else/2"}))
     assert main(["--profile", str(bad)]) == 2
     assert (
-        "schema='something-else/2'; expected one of ['rollout-profile/1', 'rollout-profile/2']"
+        "schema='something-else/2'; expected one of ['rollout-profile/1', 'rollout-profile/2', 'rollout-profile/3']"
         in capsys.readouterr().err
     )
     qwen = model_preset("qwen3-30b-a3b")
@@ -664,3 +666,115 @@ def test_the_overhead_enters_every_step_of_the_search():
     target = evaluate(s, replicas, 16).step_ms  # the latency target a batch of 16 just meets with O(b)
     assert best_for_shape(with_latency(s, target), replicas).batch == 16  # (the KV admits 21)
     assert best_for_shape(with_latency(s_head, target), replicas).batch > 16  # the LM head alone costs less
+
+
+# ----------------------------------------------------------------------------- ExpertPlex's model on one GPU
+DEC_ATTN = KernelFit(0.02, 4e-4, 1.5e-7, 0.0)  # x rows, s context
+PRE_ATTN = KernelFit(0.03, 1e-2, 2e-5, 1e-9)  # x prompts, s their length
+MOE_DECODE = KernelFit(0.05, 4e-3, 0.0, 0.0)  # x tiles of 16 rows
+MOE_PREFILL = KernelFit(0.06, 2e-2, 0.0, 0.0)  # x tiles of 128 rows
+
+
+def _exact_v3_profile(model: ModelShape) -> dict:
+    """A rollout-profile/3 document without noise, in the forms the shared planner fits (equation 2): decode and
+    prefill attention, expert passes of each phase in its own tiles, O(b), and steps of both phases of exactly
+    L (attention + MoE) + O(rows)."""
+    doc = _exact_profile(model, with_overhead=True)
+    doc["schema"], doc["expert_kernel"] = "rollout-profile/3", "persistent"
+    for r in doc["attention"]:
+        r["ms"] = DEC_ATTN.ms(r["batch"], r["context"])
+    doc["prefill_attention"] = [
+        {"seqs": n, "length": s, "ms": PRE_ATTN.ms(n, s)} for n in (1, 4) for s in (512, 2048, 8192)
+    ]
+    tokens = (1, 8, 32, 256, 1024, 4096, 8192)
+    doc["experts"] = [
+        {"tokens": t, "phase": "decode", "ms": MOE_DECODE.ms(moe_tiles(model, t, 16), 0)} for t in tokens
+    ] + [{"tokens": t, "phase": "prefill", "ms": MOE_PREFILL.ms(moe_tiles(model, t, 128), 0)} for t in tokens]
+
+    def decode(b, c):
+        return 4 * (DEC_ATTN.ms(b, c) + MOE_DECODE.ms(moe_tiles(model, b, 16), 0)) + OVERHEAD.ms(b)
+
+    def prefill(n, s):
+        return 4 * (PRE_ATTN.ms(n, s) + MOE_PREFILL.ms(moe_tiles(model, n * s, 128), 0)) + OVERHEAD.ms(n)
+
+    doc["steps"] = [
+        {
+            "layout": "replicas",
+            "phase": "decode",
+            "batch": b,
+            "context": c,
+            "num_layers": 4,
+            "step_ms": decode(b, c),
+        }
+        for b in (1, 32, 256)
+        for c in (1024, 4096)
+    ] + [
+        {
+            "layout": "replicas",
+            "phase": "prefill",
+            "batch": n,
+            "context": s,
+            "num_layers": 4,
+            "step_ms": prefill(n, s),
+        }
+        for n in (1, 4)
+        for s in (512, 2048)
+    ]
+    return doc
+
+
+def test_shared_validation_on_one_gpu_is_exact_on_an_exact_profile(tmp_path, capsys):
+    qwen = model_preset("qwen3-30b-a3b")
+    prof = tmp_path / "v3.json"
+    prof.write_text(json.dumps(_exact_v3_profile(qwen)))
+    out = tmp_path / "check.json"
+    argv = ["--arch", "shared", "--gpus", "1", "--gpu", "h100", "--validate", str(prof), "--json", str(out)]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(r["phase"] for r in rows) == ["decode"] * 6 + ["prefill"] * 4
+    assert all(abs(r["error"]) < 1e-6 for r in rows), rows
+    text = capsys.readouterr().out
+    assert "10 of 10 rows within 15%" in text and "prefill attention: roofline" not in text
+    # the decode model (replicas, #30) times decode steps only, from the decode-phase expert rows
+    assert main(["--gpu", "h100", "--validate", str(prof), "--json", str(out)]) == 0
+    assert [r["phase"] for r in json.loads(out.read_text())["rows"]] == ["decode"] * 6
+
+
+def test_shared_kernels_fit_each_phase_from_its_own_rows():
+    from rollout.plan.shared import build_kernels, predict_step_ms
+
+    qwen = model_preset("qwen3-30b-a3b")
+    profile = parse_profile(_exact_v3_profile(qwen), "v3")
+    assert profile.expert_kernel == "persistent" and len(profile.prefill_attention) == 6
+    s = Search(
+        qwen, analytic_times(qwen, gpu_preset("h100")), Workload(1024, 1024), Cluster(1, gpu_preset("h100"))
+    )
+    k = build_kernels(s, profile)
+    for n, length in ((2, 1000), (8, 300)):  # off the profiled grid: the fitted forms, not a lookup
+        assert k.prefill_attention.ms(n, length) == pytest.approx(PRE_ATTN.ms(n, length), rel=1e-6)
+    for t in (3000, 20000):
+        assert k.moe_prefill.ms(moe_tiles(qwen, t, 128), 0) == pytest.approx(
+            MOE_PREFILL.ms(moe_tiles(qwen, t, 128), 0), rel=1e-6
+        )
+    step = StepPoint("replicas", 16, 5000, 48, 0.0)
+    want = 48 * (DEC_ATTN.ms(16, 5000) + MOE_DECODE.ms(moe_tiles(qwen, 16, 16), 0)) + OVERHEAD.ms(16)
+    assert predict_step_ms(k, qwen, step) == pytest.approx(want, rel=1e-6)
+    # without the profile the roofline stands in, and no step has a fixed cost
+    assert build_kernels(s, None).fixed_ms(64) == 0.0
+
+
+def test_profile_phases_default_to_decode_and_are_checked():
+    qwen = model_preset("qwen3-30b-a3b")
+    old = parse_profile(_exact_profile(qwen, with_overhead=True), "v2")
+    assert {p.phase for p in old.experts} == {s.phase for s in old.steps} == {"decode"}
+    assert old.prefill_attention == () and old.expert_kernel is None
+    doc = _exact_v3_profile(qwen)
+    doc["steps"][0]["phase"] = "mixed"
+    with pytest.raises(
+        ValueError, match=r"steps\[0\] phase='mixed'; expected one of \['decode', 'prefill'\]"
+    ):
+        parse_profile(doc, "bad")
+    doc = _exact_v3_profile(qwen)
+    doc["prefill_attention"][1] = {"seqs": 1, "ms": 0.3}
+    with pytest.raises(ValueError, match=r"prefill_attention\[1\] lacks \['length'\]"):
+        parse_profile(doc, "bad")
