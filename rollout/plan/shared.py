@@ -40,6 +40,7 @@ Legend: s sequence length, x work count (sequences or tiles), L layers, O output
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -112,11 +113,16 @@ def prefill_attention_ms(model: ModelShape, gpu: GpuSpec, seqs: float, length: f
     return roofline_ms(weights + kv, flops, gpu.peak_flops, gpu.mem_bandwidth)
 
 
-def phase_points(points: tuple[ExpertPoint, ...], phase: str) -> list[tuple[int, float]]:
-    """(tokens, ms) of the expert passes of `phase`; every pass when the profile has none of that phase (schema
-    /1, /2, or an expert path whose cost does not depend on the phase)."""
+def phase_points(points: tuple[ExpertPoint, ...], phase: str, max_tokens: float) -> list[tuple[int, float]]:
+    """(tokens, ms) of the expert passes of `phase` with at most `max_tokens` tokens; every pass when the
+    profile has none of that phase (schema /1, /2, or an expert path whose cost does not depend on the phase).
+
+    The cap keeps each phase's line on the passes it runs: a decode pass never holds more rows than a decode
+    batch, and past that a tile's cost falls (an expert's second tile finds its weights in L2: on an H100 the
+    persistent kernel ran 8192 decode rows in 4,096 tiles at 1.5 us a tile, 32 rows in ~110 at 3.5 us), so a
+    line fitted through 8k-row decode passes predicted 32-row decode steps 19-25% fast (bench/RESULTS.md)."""
     chosen = [p for p in points if p.phase == phase] or list(points)
-    return [(p.tokens, p.ms) for p in chosen]
+    return [(p.tokens, p.ms) for p in chosen if p.tokens <= max_tokens] or [(p.tokens, p.ms) for p in chosen]
 
 
 def build_kernels(s: Search, profile: Profile | None) -> Kernels:
@@ -134,7 +140,10 @@ def build_kernels(s: Search, profile: Profile | None) -> Kernels:
             (n, c, prefill_attention_ms(m, gpu, n, c)) for n in (1, 2, 8, 32) for c in (128, 512, 2048, 8192)
         ]
     if profile and profile.experts:
-        moe_d, moe_p = phase_points(profile.experts, "decode"), phase_points(profile.experts, "prefill")
+        # decode passes up to the largest decode batch the profile measured attention for
+        rows = max((p.batch for p in profile.attention), default=math.inf)
+        moe_d = phase_points(profile.experts, "decode", rows)
+        moe_p = phase_points(profile.experts, "prefill", math.inf)
     else:
         grid_t = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
         moe_d = moe_p = [(t, times.experts.ms(t, m.num_experts, 1)) for t in grid_t]

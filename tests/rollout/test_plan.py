@@ -725,8 +725,15 @@ def _exact_v3_profile(model: ModelShape) -> dict:
 
 def test_shared_validation_on_one_gpu_is_exact_on_an_exact_profile(tmp_path, capsys):
     qwen = model_preset("qwen3-30b-a3b")
+    doc = _exact_v3_profile(qwen)
+    # decode passes larger than any decode batch (attention rows reach 256) run cheaper tiles (L2 hits): the
+    # decode line must not be fitted through them
+    doc["experts"] += [
+        {"tokens": t, "phase": "decode", "ms": 0.3 * MOE_DECODE.ms(moe_tiles(qwen, t, 16), 0)}
+        for t in (4096, 8192)
+    ]
     prof = tmp_path / "v3.json"
-    prof.write_text(json.dumps(_exact_v3_profile(qwen)))
+    prof.write_text(json.dumps(doc))
     out = tmp_path / "check.json"
     argv = ["--arch", "shared", "--gpus", "1", "--gpu", "h100", "--validate", str(prof), "--json", str(out)]
     assert main(argv) == 0
