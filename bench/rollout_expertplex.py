@@ -86,7 +86,9 @@ class Layer:
     """One MoE layer of an engine with random weights, and the step inputs of a pass of T tokens."""
 
     def __init__(self, cfg: dict, device: torch.device, dtype: torch.dtype) -> None:
-        config = RolloutConfig(max_model_len=64, max_batch_size=1, kv_cache_tokens=64, cuda_graphs=False)
+        config = RolloutConfig(
+            max_model_len=64, max_batch_size=1, kv_cache_tokens=64, cuda_graphs=False, expert_kernel="grouped"
+        )  # the model's own paths (grouped, padded); the persistent kernel is launched directly
         self.engine = RolloutEngine.from_config(dict(cfg, num_hidden_layers=1), device, dtype, config)
         self.layer = self.engine.weights.layers[0]
         self.spec = self.engine.spec

@@ -32,8 +32,9 @@ class RolloutConfig:
     expert_kernel: str = spec(
         "auto",
         choices=("auto", "grouped", "padded", "persistent"),
-        help="expert MLP path: grouped GEMMs; padded bmm for decode batches (auto on CUDA); persistent: the "
-        "tile-scheduled Triton kernel (rollout.kernels, decode tiles first; CUDA or TRITON_INTERPRET=1)",
+        help="expert MLP path: persistent: the tile-scheduled Triton kernel (rollout.kernels, decode tiles first; "
+        "CUDA or TRITON_INTERPRET=1); grouped GEMMs; padded bmm for decode batches; auto: persistent on CUDA, "
+        "grouped on the CPU",
     )
     max_decode_slowdown: float = spec(
         0.0,

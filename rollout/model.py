@@ -83,15 +83,18 @@ class MoeDecoder:
         self.cos_PD, self.sin_PD = rope_tables(spec, cache.max_model_len, device, dtype)
         self.sort_dtype = torch.int16 if spec.num_experts <= 2**15 else torch.int32
         self.experts_E = torch.arange(spec.num_experts, device=device, dtype=self.sort_dtype)
-        # Decode batches use the padded expert path on a GPU (see _padded_ffn); tests may set another rule.
         cuda = device.type == "cuda"
         if expert_kernel == "persistent" and not triton_runs_on(device):
             raise ValueError(
                 "rollout.expert_kernel=persistent needs a CUDA device (or TRITON_INTERPRET=1 to run the Triton "
                 f"interpreter on the CPU); this engine runs on {device}"
             )
-        self.persistent = expert_kernel == "persistent"
-        padded = expert_kernel == "padded" or (expert_kernel == "auto" and cuda)
+        # auto takes the persistent kernel on a GPU: it beat grouped GEMMs and the padded bmm in every measured
+        # decode, prefill and mixed pass (bench/RESULTS.md, issue #29); the CPU keeps the grouped GEMMs.
+        self.persistent = expert_kernel == "persistent" or (
+            expert_kernel == "auto" and cuda and triton_runs_on(device)
+        )
+        padded = expert_kernel == "padded"
         self.capacity_for = padded_capacity if padded else no_padding
         glue = compiled_or_eager if cuda else (lambda fn: fn)
         self._swiglu, self._padded_rows, self._padded_combine = map(

@@ -4,6 +4,8 @@ and the Triton paged attention agrees with the SDPA reference path."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -48,6 +50,8 @@ def _engine(hf, graphs: bool, capacity: int | None = None, **overrides) -> Rollo
             **overrides,
         }
     )
+    if capacity is not None:
+        config = replace(config, expert_kernel="padded")
     engine = RolloutEngine.from_config(cfg, device="cuda", dtype=torch.bfloat16, config=config)
     engine.load_weights(hf.state_dict().items())
     if capacity is not None:
@@ -56,7 +60,7 @@ def _engine(hf, graphs: bool, capacity: int | None = None, **overrides) -> Rollo
     return engine
 
 
-@pytest.mark.parametrize("capacity", [None, 2], ids=["auto", "padded-cap2"])
+@pytest.mark.parametrize("capacity", [None, 2], ids=["auto-persistent", "padded-cap2"])
 def test_cuda_graph_decode_equals_eager_and_matches_transformers(capacity):
     hf = _hf_model()
     rng = np.random.default_rng(0)
