@@ -39,10 +39,13 @@ Sections (a point that raises is listed under "errors" and the others still run)
    cuda_graph_max_tokens tokens runs eagerly, as in the engine). `--validate` compares a plan's prediction with
    these.
 5. overhead: the step's fixed cost (embedding, final norm + LM head, sampling, host copies and the step's one
-   sync) at every `--step-batches` x `--step-contexts` point: the whole decode step of a ONE-layer engine (as in
-   section 4) minus that layer's attention (batch, context) and experts (tokens = batch) times, timed as in
-   sections 1 and 3 (measured for this point if those sections did not). Rows: batch, context, ms (the
-   overhead; noise can make it slightly negative), and the step_ms, attention_ms, experts_ms it came from.
+   sync), per phase. Decode at every `--step-batches` x `--step-contexts` point: the whole decode step of a
+   ONE-layer engine (as in section 4) minus that layer's attention (batch, context) and experts (tokens = batch)
+   times, timed as in sections 1 and 3 (measured for this point if those sections did not). Prefill at every
+   `--prefill-points` seqs:length (batch = seqs, context = length): the one-layer prefill step minus that
+   point's prefill_attention row and the prefill-phase experts row of seqs x length tokens (skipped when either
+   is missing). Rows: phase, batch, context, ms (the overhead; noise can make it slightly negative), and the
+   step_ms, attention_ms, experts_ms it came from.
 6. overlap (CUDA only): for each `--overlap` point batch:context:tokens, the attention part of one micro-batch and
    the experts of another (`tokens` tokens) launched back to back on two CUDA streams, timed together, against
    each alone and their sum: how much of MegaScale-Infer's ping-pong one GPU can overlap. On a layer engine of
@@ -642,22 +645,59 @@ def overhead_row(engine: RolloutEngine, batch: int, context: int, parts, args, d
     }
 
 
+def prefill_parts(out: dict, seqs: int, length: int) -> tuple[float, float] | None:
+    """(prefill attention ms of seqs x length, prefill-phase experts ms of seqs * length tokens) from the
+    sections' rows, or None when either was not measured."""
+    attention = {(r["seqs"], r["length"]): r["ms"] for r in out["prefill_attention"]}.get((seqs, length))
+    experts = {r["tokens"]: r["ms"] for r in out["experts"] if r["phase"] == "prefill"}.get(seqs * length)
+    return None if attention is None or experts is None else (attention, experts)
+
+
+def prefill_overhead_row(engine: RolloutEngine, seqs: int, length: int, parts, args, device) -> dict:
+    """The one-layer prefill step minus its layer: ms = step_ms - attention_ms - experts_ms."""
+    step = prefill_step_ms(engine, seqs, length, args, device)
+    attention, experts = parts
+    return {
+        "ms": step - attention - experts,
+        "step_ms": step,
+        "attention_ms": attention,
+        "experts_ms": experts,
+    }
+
+
 def overhead_section(run: Recorder, args, base: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    """The step's fixed cost at every step point: a ONE-layer engine's whole step minus run.parts (that layer's
-    attention and experts, measured by layer_sections)."""
-    engine, why, _ = step_engine(run, args, base, 1, device, dtype)
+    """The step's fixed cost of each phase: a ONE-layer engine's whole step minus that layer's parts, measured by
+    layer_sections: at every step point, a decode step minus run.parts (attention and experts); at every
+    prefill point, a prefill step minus its prefill attention and prefill-phase experts. A prefill step's fixed
+    cost differs from a decode step's (no graph replay at large steps, its own sampling and copies), so each
+    phase gets its own rows."""
+    engine, why, prefill_why = step_engine(run, args, base, 1, device, dtype, args.prefill_points)
+    missing = "no attention/experts time at this point (see skipped and errors)"
     for batch, context in step_grid(args):
-        point = {"batch": batch, "context": context}
+        point = {"phase": "decode", "batch": batch, "context": context}
         parts = run.parts.get((batch, context))
         if (batch, context) in why:
             run.skip("overhead", point, why[batch, context])
         elif parts is None:
-            run.skip("overhead", point, "no attention/experts time at this point (see skipped and errors)")
+            run.skip("overhead", point, missing)
         else:
             run.point(
                 "overhead",
                 point,
                 lambda b=batch, c=context, p=parts: overhead_row(engine, b, c, p, args, device),
+            )
+    for seqs, length in args.prefill_points:
+        point = {"phase": "prefill", "batch": seqs, "context": length}
+        parts = prefill_parts(run.out, seqs, length)
+        if (seqs, length) in prefill_why:
+            run.skip("overhead", point, prefill_why[seqs, length])
+        elif parts is None:
+            run.skip("overhead", point, missing)
+        else:
+            run.point(
+                "overhead",
+                point,
+                lambda n=seqs, s=length, p=parts: prefill_overhead_row(engine, n, s, p, args, device),
             )
     engine = None  # its KV cache goes before the next section's engine
     free_memory()
@@ -730,11 +770,11 @@ def print_tables(out: dict) -> None:
             f"| {r['layout']} | {r['num_layers']} | {r['phase']} | {r['batch']} | {r['context']} | "
             f"{r['step_ms']:.2f} |"
         )
-    print("\n| batch | context | 1-layer step ms | attention ms | experts ms | overhead ms |")
-    print("|---|---|---|---|---|---|")
+    print("\n| phase | batch | context | 1-layer step ms | attention ms | experts ms | overhead ms |")
+    print("|---|---|---|---|---|---|---|")
     for r in out["overhead"]:
         print(
-            f"| {r['batch']} | {r['context']} | {r['step_ms']:.3f} | {r['attention_ms']:.3f} | "
+            f"| {r['phase']} | {r['batch']} | {r['context']} | {r['step_ms']:.3f} | {r['attention_ms']:.3f} | "
             f"{r['experts_ms']:.3f} | {r['ms']:.3f} |"
         )
     errors = out["errors"] + [

@@ -4,7 +4,7 @@
 Schema /3 adds what the ExpertPlex planner (rollout/plan/shared.py) needs to be checked on one GPU: the expert
 path the engine ran (`expert_kernel`), `prefill_attention` rows (one layer's attention for `seqs` prompts of
 `length` tokens from position 0), a `phase` on `experts` rows (decode: every token a decode row; prefill: none)
-and on `steps` rows (prefill steps: `batch` prompts of `context` tokens).
+and on `steps` and `overhead` rows (prefill steps: `batch` prompts of `context` tokens).
 
 Fits (non-negative least squares on relative error, so that 0.05 ms and 5 ms points weigh alike and every slope
 stays >= 0, which keeps times monotone in the batch and the binary search of the planner exact):
@@ -87,11 +87,13 @@ class StepPoint:
 
 @dataclass(frozen=True)
 class OverheadPoint:
-    """A step's fixed cost at `batch` rows: a one-layer step minus its layer (ms may be <= 0 from noise)."""
+    """A step's fixed cost at `batch` rows: a one-layer step minus its layer (ms may be <= 0 from noise); a
+    prefill step's (schema /3) at `batch` prompts of `context` tokens."""
 
     batch: int
     context: int
     ms: float
+    phase: str = "decode"
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,9 @@ def _overhead(row: Any, i: int, where: str) -> OverheadPoint:
     """An overhead row: batch and context > 0; ms any finite number (a difference of two measurements)."""
     if not isinstance(row, dict) or any(k not in row for k in ("batch", "context", "ms")):
         raise ValueError(f"profile {where}: overhead[{i}] = {row}; expected keys ['batch', 'context', 'ms']")
-    point = OverheadPoint(int(row["batch"]), int(row["context"]), float(row["ms"]))
+    point = OverheadPoint(
+        int(row["batch"]), int(row["context"]), float(row["ms"]), _phase(row, "overhead", i, where)
+    )
     if point.batch <= 0 or point.context <= 0 or not np.isfinite(point.ms):
         raise ValueError(f"profile {where}: overhead[{i}] = {row}: batch, context must be > 0, ms finite")
     return point
@@ -424,14 +428,15 @@ def fitted_times(profile: Profile, gpu: GpuSpec, form: str) -> LayerTimes:
         f"profile {profile.source} ({profile.device}): T_a = {a0:.4f} + {a1:.2e} b + {a2:.2e} b C ms; "
         f"T_e ({form}) = {e0:.4f} + {e1:.2e} D(t) + {e2:.2e} t K ms"
     )
-    if not profile.overhead:
+    overhead_rows = tuple(p for p in profile.overhead if p.phase == "decode")  # the replicas model's steps
+    if not overhead_rows:
         note = (
             f"profile {profile.source} has no 'overhead' rows (schema /1 or the section was skipped): the step's "
             "fixed cost is the LM head's roofline alone (embedding, sampling, host copies and sync taken as 0)"
         )
         source += "; step fixed cost: LM head roofline"
         return LayerTimes(attention, experts, head_gpu, source, note=note)
-    overhead = fit_overhead(profile.overhead)
+    overhead = fit_overhead(overhead_rows)
     o0, o1 = overhead.coef
     source += f"; O = {o0:.4f} + {o1:.2e} b ms per step"
     return LayerTimes(attention, experts, head_gpu, source, overhead)

@@ -16,10 +16,11 @@ rows of a rollout-profile/3, else the roofline), MoE with x = x_moe = sum_e ceil
 M_t = 16 for decode and 128 for prefill, rollout/kernels/persistent_moe.py's BLOCK_M_DECODE / BLOCK_M_PREFILL),
 from the profile's `experts` rows of that phase (all rows when it has none of it) or the roofline converted to
 expected tiles, and s unused. A pass of b rows also pays the step's fixed cost O(b) (embedding, LM head,
-sampling, the host copy) where the profile has `overhead` rows; the roofline has none.
+sampling, the host copy) where the profile has `overhead` rows, a prefill pass its own O_p(n) where it has
+prefill overhead rows (else O); the roofline has none.
 One GPU checks the model (`python -m rollout.plan --arch shared --validate P`): a colocated instance of one GPU
 predicts a decode step of L layers as L (T_attn_d(b, C) + T_moe_d(x_moe(b))) + O(b) and a prefill pass of n
-prompts of s tokens as L (T_attn_p(n, s) + T_moe_p(x_moe(n s))) + O(n), against P's measured `steps`.
+prompts of s tokens as L (T_attn_p(n, s) + T_moe_p(x_moe(n s))) + O_p(n), against P's measured `steps`.
 
 Assumptions (where this departs from or goes beyond the paper):
 - Uniform routing (expected tiles); a pool splits its work evenly over its GPUs (x / n per GPU).
@@ -88,10 +89,12 @@ class Kernels:
     moe_decode: KernelFit  # x tiles of TILE_M_DECODE rows
     moe_prefill: KernelFit  # x tiles of TILE_M_PREFILL rows
     source: str
-    overhead: FittedOverhead | None = None  # O(b), a step's fixed cost
+    overhead: FittedOverhead | None = None  # O(b), a decode step's fixed cost
+    prefill_overhead: FittedOverhead | None = None  # O_p(n), a prefill step's (else the decode one)
 
-    def fixed_ms(self, rows: float) -> float:
-        return self.overhead.ms(rows) if self.overhead is not None else 0.0
+    def fixed_ms(self, rows: float, phase: str = "decode") -> float:
+        fit = self.prefill_overhead if phase == "prefill" and self.prefill_overhead else self.overhead
+        return fit.ms(rows) if fit is not None else 0.0
 
 
 @functools.lru_cache(maxsize=65536)
@@ -147,7 +150,7 @@ def build_kernels(s: Search, profile: Profile | None) -> Kernels:
     else:
         grid_t = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
         moe_d = moe_p = [(t, times.experts.ms(t, m.num_experts, 1)) for t in grid_t]
-    overhead = fit_overhead(profile.overhead) if profile and profile.overhead else None
+    overhead, prefill_overhead = (phase_overhead(profile, phase) for phase in ("decode", "prefill"))
     source = "profile rows" if profile else times.source
     if not (profile and profile.prefill_attention):
         source += "; prefill attention: roofline"
@@ -158,7 +161,14 @@ def build_kernels(s: Search, profile: Profile | None) -> Kernels:
         moe_prefill=fit_kernel((moe_tiles(m, t, TILE_M_PREFILL), 0.0, ms) for t, ms in moe_p),
         source=source + ("; step fixed cost: profile overhead" if overhead else "; no step fixed cost"),
         overhead=overhead,
+        prefill_overhead=prefill_overhead,
     )
+
+
+def phase_overhead(profile: Profile | None, phase: str) -> FittedOverhead | None:
+    """O fitted on the profile's overhead rows of `phase` (rows without a phase are decode steps'), or None."""
+    rows = tuple(p for p in profile.overhead if p.phase == phase) if profile else ()
+    return fit_overhead(rows) if rows else None
 
 
 # ------------------------------------------------------------------------------------ one GPU's passes
@@ -177,7 +187,8 @@ def prefill_pass_ms(k: Kernels, m: ModelShape, seqs: float, length: float, layer
 def predict_step_ms(k: Kernels, m: ModelShape, step: StepPoint) -> float:
     """A measured one-GPU engine step as the planner models it: its pass over its layers plus O(rows)."""
     if step.phase == "prefill":
-        return prefill_pass_ms(k, m, step.batch, step.context, step.num_layers) + k.fixed_ms(step.batch)
+        fixed = k.fixed_ms(step.batch, "prefill")
+        return prefill_pass_ms(k, m, step.batch, step.context, step.num_layers) + fixed
     return decode_pass_ms(k, m, step.batch, step.context, step.num_layers) + k.fixed_ms(step.batch)
 
 
@@ -289,7 +300,7 @@ def _instance_times(c: Ctx, g: int, b_d: float, b_p: float) -> tuple[float, floa
     t_d = decode_pass_ms(k, m, b_d, d.context_avg, L, g) + _pass_ms(c, 0.0, 0.0, _instance_comm(c, b_d, g))
     comm_p = _instance_comm(c, b_p * d.prompt_len, g)
     t_p = prefill_pass_ms(k, m, b_p, d.prompt_len, L, g) + _pass_ms(c, 0.0, 0.0, comm_p)
-    return t_d + k.fixed_ms(b_d), t_p + k.fixed_ms(b_p)
+    return t_d + k.fixed_ms(b_d), t_p + k.fixed_ms(b_p, "prefill")
 
 
 def pd_outcome(c: Ctx, lay: Layout, b_d: int) -> Outcome:

@@ -36,7 +36,7 @@ ROW_KEYS = {
     "experts": {"tokens", "phase", "ms"},
     "overlap": {"batch", "context", "tokens", "attention_ms", "experts_ms", "sum_ms", "two_streams_ms"},
     "steps": {"layout", "phase", "batch", "context", "num_layers", "step_ms"},
-    "overhead": {"batch", "context", "ms", "step_ms", "attention_ms", "experts_ms"},
+    "overhead": {"phase", "batch", "context", "ms", "step_ms", "attention_ms", "experts_ms"},
 }
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -77,7 +77,12 @@ def requested(args: dict) -> dict[str, list[dict]]:
             }
             for n, s in args["prefill_points"]
         ],
-        "overhead": [{"batch": b, "context": c} for c in args["step_contexts"] for b in args["step_batches"]],
+        "overhead": [
+            {"phase": "decode", "batch": b, "context": c}
+            for c in args["step_contexts"]
+            for b in args["step_batches"]
+        ]
+        + [{"phase": "prefill", "batch": n, "context": s} for n, s in args["prefill_points"]],
     }
 
 
@@ -359,15 +364,22 @@ def test_tiny_profile_on_cuda_times_every_section(tmp_path):
 
 def test_overhead_rows_are_a_one_layer_step_minus_its_layer(profile):
     """ms = step_ms - attention_ms - experts_ms, with the parts those sections measured at the same point (the
-    tiny step batches 1 and 4 are not expert token counts of the run: measured for the overhead section)."""
+    tiny step batches 1 and 4 are not expert token counts of the run: measured for the overhead section); a
+    prefill row's parts are its point's prefill attention and the prefill-phase experts of seqs x length."""
     attention = {(r["batch"], r["context"]): r["ms"] for r in profile["attention"]}
-    experts = {r["tokens"]: r["ms"] for r in profile["experts"]}
+    prefill = {(r["seqs"], r["length"]): r["ms"] for r in profile["prefill_attention"]}
+    experts = {(r["phase"], r["tokens"]): r["ms"] for r in profile["experts"]}
     assert len(profile["overhead"]) == len(requested(profile["meta"]["args"])["overhead"])
     for row in profile["overhead"]:
         assert row["ms"] == pytest.approx(row["step_ms"] - row["attention_ms"] - row["experts_ms"])
+        if row["phase"] == "prefill":
+            assert row["attention_ms"] == prefill[row["batch"], row["context"]]
+            assert row["experts_ms"] == experts["prefill", row["batch"] * row["context"]]
+            continue
         assert row["attention_ms"] == attention[row["batch"], row["context"]]
-        if row["batch"] in experts:
-            assert row["experts_ms"] == experts[row["batch"]]
+        if ("decode", row["batch"]) in experts:
+            assert row["experts_ms"] == experts["decode", row["batch"]]
+    assert {r["phase"] for r in profile["overhead"]} == {"decode", "prefill"}
 
 
 def test_each_rep_runs_its_own_layer_and_the_time_is_per_rep(monkeypatch):

@@ -673,6 +673,7 @@ DEC_ATTN = KernelFit(0.02, 4e-4, 1.5e-7, 0.0)  # x rows, s context
 PRE_ATTN = KernelFit(0.03, 1e-2, 2e-5, 1e-9)  # x prompts, s their length
 MOE_DECODE = KernelFit(0.05, 4e-3, 0.0, 0.0)  # x tiles of 16 rows
 MOE_PREFILL = KernelFit(0.06, 2e-2, 0.0, 0.0)  # x tiles of 128 rows
+PREFILL_OVERHEAD = FittedOverhead((0.1, 1e-2))  # a prefill step's fixed cost, per prompt
 
 
 def _exact_v3_profile(model: ModelShape) -> dict:
@@ -695,7 +696,15 @@ def _exact_v3_profile(model: ModelShape) -> dict:
         return 4 * (DEC_ATTN.ms(b, c) + MOE_DECODE.ms(moe_tiles(model, b, 16), 0)) + OVERHEAD.ms(b)
 
     def prefill(n, s):
-        return 4 * (PRE_ATTN.ms(n, s) + MOE_PREFILL.ms(moe_tiles(model, n * s, 128), 0)) + OVERHEAD.ms(n)
+        return 4 * (
+            PRE_ATTN.ms(n, s) + MOE_PREFILL.ms(moe_tiles(model, n * s, 128), 0)
+        ) + PREFILL_OVERHEAD.ms(n)
+
+    doc["overhead"] += [
+        {"phase": "prefill", "batch": n, "context": s, "ms": PREFILL_OVERHEAD.ms(n)}
+        for n in (1, 4)
+        for s in (512, 2048)
+    ]
 
     doc["steps"] = [
         {
@@ -745,6 +754,7 @@ def test_shared_validation_on_one_gpu_is_exact_on_an_exact_profile(tmp_path, cap
     # the decode model (replicas, #30) times decode steps only, from the decode-phase expert rows
     assert main(["--gpu", "h100", "--validate", str(prof), "--json", str(out)]) == 0
     assert [r["phase"] for r in json.loads(out.read_text())["rows"]] == ["decode"] * 6
+    assert "O = 0.9000 + 2.00e-03 b ms per step" in capsys.readouterr().out  # the decode steps' overhead rows
 
 
 def test_shared_kernels_fit_each_phase_from_its_own_rows():
