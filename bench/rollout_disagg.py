@@ -77,6 +77,7 @@ import os
 import sys
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -633,9 +634,8 @@ def steps_section(run: Recorder, args, base: dict, device: torch.device, dtype: 
     return run.out["steps"]
 
 
-def overhead_row(engine: RolloutEngine, batch: int, context: int, parts, args, device) -> dict:
-    """The one-layer step minus its layer: ms = step_ms - attention_ms - experts_ms."""
-    step = time_replay(engine, batch, at_context(context, args.repeats), device)
+def overhead_parts(step: float, parts: tuple[float, float]) -> dict:
+    """A one-layer step minus its layer: ms = step_ms - attention_ms - experts_ms."""
     attention, experts = parts
     return {
         "ms": step - attention - experts,
@@ -653,18 +653,6 @@ def prefill_parts(out: dict, seqs: int, length: int) -> tuple[float, float] | No
     return None if attention is None or experts is None else (attention, experts)
 
 
-def prefill_overhead_row(engine: RolloutEngine, seqs: int, length: int, parts, args, device) -> dict:
-    """The one-layer prefill step minus its layer: ms = step_ms - attention_ms - experts_ms."""
-    step = prefill_step_ms(engine, seqs, length, args, device)
-    attention, experts = parts
-    return {
-        "ms": step - attention - experts,
-        "step_ms": step,
-        "attention_ms": attention,
-        "experts_ms": experts,
-    }
-
-
 def overhead_section(run: Recorder, args, base: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """The step's fixed cost of each phase: a ONE-layer engine's whole step minus that layer's parts, measured by
     layer_sections: at every step point, a decode step minus run.parts (attention and experts); at every
@@ -672,33 +660,23 @@ def overhead_section(run: Recorder, args, base: dict, device: torch.device, dtyp
     cost differs from a decode step's (no graph replay at large steps, its own sampling and copies), so each
     phase gets its own rows."""
     engine, why, prefill_why = step_engine(run, args, base, 1, device, dtype, args.prefill_points)
-    missing = "no attention/experts time at this point (see skipped and errors)"
-    for batch, context in step_grid(args):
-        point = {"phase": "decode", "batch": batch, "context": context}
-        parts = run.parts.get((batch, context))
-        if (batch, context) in why:
-            run.skip("overhead", point, why[batch, context])
+
+    def point(row: dict, why_not: str | None, parts: tuple[float, float] | None, step_ms) -> None:
+        if why_not is not None:
+            run.skip("overhead", row, why_not)
         elif parts is None:
-            run.skip("overhead", point, missing)
+            run.skip("overhead", row, "no attention/experts time at this point (see skipped and errors)")
         else:
-            run.point(
-                "overhead",
-                point,
-                lambda b=batch, c=context, p=parts: overhead_row(engine, b, c, p, args, device),
-            )
-    for seqs, length in args.prefill_points:
-        point = {"phase": "prefill", "batch": seqs, "context": length}
-        parts = prefill_parts(run.out, seqs, length)
-        if (seqs, length) in prefill_why:
-            run.skip("overhead", point, prefill_why[seqs, length])
-        elif parts is None:
-            run.skip("overhead", point, missing)
-        else:
-            run.point(
-                "overhead",
-                point,
-                lambda n=seqs, s=length, p=parts: prefill_overhead_row(engine, n, s, p, args, device),
-            )
+            run.point("overhead", row, lambda: overhead_parts(step_ms(), parts))
+
+    for b, c in step_grid(args):
+        timing = at_context(c, args.repeats)
+        step_ms = partial(time_replay, engine, b, timing, device)
+        point({"phase": "decode", "batch": b, "context": c}, why.get((b, c)), run.parts.get((b, c)), step_ms)
+    for n, s in args.prefill_points:
+        step_ms = partial(prefill_step_ms, engine, n, s, args, device)
+        row = {"phase": "prefill", "batch": n, "context": s}
+        point(row, prefill_why.get((n, s)), prefill_parts(run.out, n, s), step_ms)
     engine = None  # its KV cache goes before the next section's engine
     free_memory()
     return run.out["overhead"]

@@ -205,18 +205,24 @@ def tiny_layer(
     )
 
 
+def assert_parts_are_the_forward(prof, step) -> None:
+    """The timed attention part then the experts give the model's own forward of the step: its routes and its
+    sampled rows' logits, bit for bit."""
+    logits_SV, routes_TLK = prof.model.forward(step)
+    x_TH, cos_TD, sin_TD = prof.model.embed(step)
+    handed = prof.attention(step, x_TH, cos_TD, sin_TD)
+    out_TH = prof.experts(handed)
+    assert torch.equal(handed["ids_TK"], routes_TLK[:, 0])
+    torch.testing.assert_close(prof.model.logits(out_TH, step.sample_S), logits_SV, rtol=0, atol=0)
+
+
 def test_timed_attention_part_is_the_models_layer_forward():
     """The attention part then the experts give the model's own forward of the step (logits and routes), on the
     same block-table rows: what is timed is the layer's real computation."""
     prof = tiny_layer()
     with torch.inference_mode(), prof.decode_rows(3, 37, seed=5) as step:
         assert step.attention.num_decode == 3 and step.positions_T.tolist() == [37] * 3
-        logits_SV, routes_TLK = prof.model.forward(step)
-        x_TH, cos_TD, sin_TD = prof.model.embed(step)
-        handed = prof.attention(step, x_TH, cos_TD, sin_TD)
-        out_TH = prof.experts(handed)
-        assert torch.equal(handed["ids_TK"], routes_TLK[:, 0])
-        torch.testing.assert_close(prof.model.logits(out_TH, step.sample_S), logits_SV, rtol=0, atol=0)
+        assert_parts_are_the_forward(prof, step)
 
 
 def test_timed_attention_reads_each_rows_cached_context():
@@ -242,12 +248,7 @@ def test_timed_prefill_attention_part_is_the_models_layer_forward():
     with torch.inference_mode(), prof.prefill_rows(2, 20, seed=5) as step:
         assert step.attention.num_decode == 0 and step.positions_T.tolist() == [*range(20), *range(20)]
         assert step.sample_S.tolist() == [19, 39] and len(set(step.attention.seq_T.tolist())) == 2
-        logits_SV, routes_TLK = prof.model.forward(step)
-        x_TH, cos_TD, sin_TD = prof.model.embed(step)
-        handed = prof.attention(step, x_TH, cos_TD, sin_TD)
-        out_TH = prof.experts(handed)
-        assert torch.equal(handed["ids_TK"], routes_TLK[:, 0])
-        torch.testing.assert_close(prof.model.logits(out_TH, step.sample_S), logits_SV, rtol=0, atol=0)
+        assert_parts_are_the_forward(prof, step)
 
 
 def tiny_engine(layers: int = 2) -> bench.RolloutEngine:
