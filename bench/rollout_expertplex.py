@@ -14,6 +14,13 @@ fixed number of rows per expert plus grouped GEMMs over the overflow, where its 
 of the pass (as the engine runs it) after `--warmup` replays (wall time on the CPU); the largest difference to
 the fp32 reference (`moe_reference`) is reported too.
 
+Section `mixed`: a mixed step's experts, D decode rows and P prefill tokens in one pass, for every `--mixed`
+D:P, against the D decode rows alone (what a mixed step adds to a decode step's MoE time): the persistent
+kernel as the engine runs it (decode tiles of 16 rows, prefill tiles of 128: an expert both phases use is read
+by two tiles), the same pass with all D + P tokens cut into decode tiles (num_decode = D + P: one phase, a
+diagnostic of what phase-blind tiles would cost; rows would then change tile shape with the step), and the
+grouped and padded paths (one pass over the pairs per expert, whatever their phase).
+
 Section `sweep`: the persistent kernel's launch parameters for one decode pass (`--sweep-decode` tokens) and one
 prefill pass (`--sweep-prefill`): programs per SM (`--sweep-programs`: the persistent grid is that many times the
 SM count; more than one resident program per SM hides more memory latency), blocks (`--sweep-decode-blocks`,
@@ -70,7 +77,8 @@ TINY_ARGS = dict(
     prefill_tokens=[24],
     repeats=2,
     warmup=1,
-    sections=["paths", "sweep"],
+    sections=["paths", "mixed", "sweep"],
+    mixed=[(4, 2), (4, 12)],
     sweep_decode=4,
     sweep_prefill=24,
     sweep_programs=[1, 2],
@@ -151,6 +159,43 @@ def section_paths(layer: Layer, args) -> list[dict]:
                 row["us"] = graph_us(
                     functools.partial(layer.run, path, x, num_decode), layer.device, args.repeats, args.warmup
                 )
+            except Exception as err:
+                traceback.print_exc()
+                row["error"] = f"{type(err).__name__}: {err}"
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+MIXED_VARIANTS = (  # (name, path, all tokens in decode tiles)
+    ("decode alone", "persistent", False),
+    ("persistent", "persistent", False),
+    ("persistent, one phase", "persistent", True),
+    ("grouped", "grouped", False),
+    ("padded", "padded", False),
+)
+
+
+def section_mixed(layer: Layer, args) -> list[dict]:
+    """Every --mixed D:P pass through every MIXED_VARIANTS entry, graph-timed, with its time over the D decode
+    rows alone (the first variant)."""
+    rows = []
+    for num_decode, num_prefill in args.mixed:
+        x = layer.inputs(num_decode + num_prefill, seed=num_decode * 7919 + num_prefill)
+        ref = layer.reference(x)
+        alone_us = None
+        for name, path, one_phase in MIXED_VARIANTS:
+            part = {k: v[:num_decode] for k, v in x.items()} if name == "decode alone" else x
+            decode = part["h_TH"].shape[0] if one_phase or name == "decode alone" else num_decode
+            row = {"decode": num_decode, "prefill": num_prefill, "variant": name}
+            try:
+                out = layer.run(path, part, decode)
+                want = ref[:num_decode] if name == "decode alone" else ref
+                row["max_abs_diff"] = float((out.float() - want).abs().max())
+                run = functools.partial(layer.run, path, part, decode)
+                row["us"] = graph_us(run, layer.device, args.repeats, args.warmup)
+                alone_us = alone_us or row["us"]
+                row["over_decode_alone"] = row["us"] / alone_us
             except Exception as err:
                 traceback.print_exc()
                 row["error"] = f"{type(err).__name__}: {err}"
@@ -345,7 +390,13 @@ def main() -> None:
     ap.add_argument("--arrival-prefill", type=int, default=8192)
     ap.add_argument("--arrival-decode", type=int, default=128)
     ap.add_argument("--arrival-delay-us", type=float, default=10.0)
-    ap.add_argument("--sections", type=lambda s: s.split(","), default=["paths", "sweep", "arrival"])
+    ap.add_argument("--sections", type=lambda s: s.split(","), default=["paths", "mixed", "sweep", "arrival"])
+    ap.add_argument(
+        "--mixed",
+        type=lambda s: [tuple(int(v) for v in item.split(":")) for item in s.split(",")],
+        default=[(32, 16), (32, 64), (128, 16), (128, 64), (128, 256), (128, 2048)],
+        help="decode:prefill token pairs of the mixed section",
+    )
     ap.add_argument("--sweep-decode", type=int, default=128)
     ap.add_argument("--sweep-prefill", type=int, default=8192)
     # the default grid: around session 29's H100 winners, with and without TMA (112 configurations)
@@ -379,7 +430,13 @@ def main() -> None:
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     # the long sweep last, and the JSON rewritten after every section: a call cut by its time limit keeps the rest
-    for name, fn in (("paths", section_paths), ("arrival", section_arrival), ("sweep", section_sweep)):
+    sections = (
+        ("paths", section_paths),
+        ("mixed", section_mixed),
+        ("arrival", section_arrival),
+        ("sweep", section_sweep),
+    )
+    for name, fn in sections:
         if name in args.sections:
             try:
                 results[name] = fn(layer, args)
@@ -396,6 +453,16 @@ def print_tables(results: dict) -> None:
         us = f"{r['us']:.1f}" if "us" in r else r.get("error", "")[:80]
         diff = f"{r['max_abs_diff']:.2g}" if "max_abs_diff" in r else "-"
         print(f"| {r['phase']} | {r['tokens']} | {r['path']} | {us} | {diff} |")
+    mixed = results.get("mixed", [])
+    if isinstance(mixed, list) and mixed:
+        print("\n| decode rows | prefill tokens | variant | us | x decode alone |\n|---|---|---|---|---|")
+        for r in mixed:
+            us = (
+                f"{r['us']:.1f} | {r['over_decode_alone']:.2f}"
+                if "us" in r
+                else r.get("error", "")[:80] + " | -"
+            )
+            print(f"| {r['decode']} | {r['prefill']} | {r['variant']} | {us} |")
     sweep = results.get("sweep", [])
     for phase in ("decode", "prefill") if isinstance(sweep, list) else ():
         done = sorted((r for r in sweep if r["phase"] == phase and "us" in r), key=lambda r: r["us"])
