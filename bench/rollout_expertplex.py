@@ -178,20 +178,23 @@ MIXED_VARIANTS = (  # (name, path, all tokens in decode tiles)
 
 def section_mixed(layer: Layer, args) -> list[dict]:
     """Every --mixed D:P pass through every MIXED_VARIANTS entry, graph-timed, with its time over the D decode
-    rows alone (the first variant)."""
+    rows alone (the first variant). The one-phase variant also records whether its rows came out bitwise equal
+    to the phase-split launch's (`same_bits`): whether a row's result depends on the height of its tile."""
     rows = []
     for num_decode, num_prefill in args.mixed:
         x = layer.inputs(num_decode + num_prefill, seed=num_decode * 7919 + num_prefill)
         ref = layer.reference(x)
-        alone_us = None
+        alone_us, outs = None, {}
         for name, path, one_phase in MIXED_VARIANTS:
             part = {k: v[:num_decode] for k, v in x.items()} if name == "decode alone" else x
             decode = part["h_TH"].shape[0] if one_phase or name == "decode alone" else num_decode
             row = {"decode": num_decode, "prefill": num_prefill, "variant": name}
             try:
-                out = layer.run(path, part, decode)
+                out = outs[name] = layer.run(path, part, decode)
                 want = ref[:num_decode] if name == "decode alone" else ref
                 row["max_abs_diff"] = float((out.float() - want).abs().max())
+                if one_phase and "persistent" in outs:
+                    row["same_bits"] = bool(torch.equal(out, outs["persistent"]))
                 run = functools.partial(layer.run, path, part, decode)
                 row["us"] = graph_us(run, layer.device, args.repeats, args.warmup)
                 alone_us = alone_us or row["us"]
@@ -462,7 +465,8 @@ def print_tables(results: dict) -> None:
                 if "us" in r
                 else r.get("error", "")[:80] + " | -"
             )
-            print(f"| {r['decode']} | {r['prefill']} | {r['variant']} | {us} |")
+            bits = {True: " (same bits)", False: " (other bits)"}.get(r.get("same_bits"), "")
+            print(f"| {r['decode']} | {r['prefill']} | {r['variant']}{bits} | {us} |")
     sweep = results.get("sweep", [])
     for phase in ("decode", "prefill") if isinstance(sweep, list) else ():
         done = sorted((r for r in sweep if r["phase"] == phase and "us" in r), key=lambda r: r["us"])
