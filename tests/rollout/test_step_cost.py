@@ -55,6 +55,34 @@ def test_fit_ignores_steps_that_paid_a_one_off_cost():
     np.testing.assert_allclose(model.coef, COEF, rtol=1e-6, atol=1e-12)
 
 
+def test_fit_reads_the_last_window_of_steps_and_refits_less_once_it_is_full(monkeypatch):
+    """An engine records every step of its life: the model keeps a ring of the last `window` steps (memory
+    bounded), fits those alone (steps that followed older costs drop out), and past a full window refits every
+    window / 8 steps instead of every `refit_every` (host time linear in the steps, not quadratic)."""
+    model, rng = _budget(window=64), np.random.default_rng(3)
+    refits = []
+    fit = model.refit
+    monkeypatch.setattr(model, "refit", lambda: (refits.append(model.recorded), fit()))
+    for i in range(64 * 5):
+        rows, p = int(rng.integers(1, 64)), int(rng.choice([0, int(rng.integers(1, 2000))]))
+        shape = model.expected(rows, int(rng.integers(0, 300_000)), p)
+        coef = COEF if i >= 64 * 4 else 3 * COEF  # the costs changed 64 steps before the end
+        model.record(shape, float(shape.features() @ coef))
+    np.testing.assert_allclose(model.coef, COEF, rtol=1e-6, atol=1e-12)
+    assert model._X.shape == (64, len(FEATURES)) and model.recorded == 320
+    assert refits == [*range(16, 65, 8), *range(72, 321, 8)]  # every 8, then every max(8, 64 // 8) = 8
+
+
+def test_refits_thin_out_past_a_full_window(monkeypatch):
+    """window = 256: refits every 8 steps up to 256, then every 32."""
+    model = _budget(window=256)
+    refits = []
+    monkeypatch.setattr(model, "refit", lambda: refits.append(model.recorded))
+    for i in range(1024):
+        model.record(model.expected(1 + i % 60, 1000, (i % 2) * 100), 0.01)
+    assert refits == [*range(16, 257, 8), *range(288, 1025, 32)]
+
+
 def test_unfitted_without_both_kinds_of_step():
     model = _budget(min_steps=4, refit_every=1)
     for rows in range(1, 9):  # decode-only steps
