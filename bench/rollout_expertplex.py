@@ -153,18 +153,25 @@ def section_paths(layer: Layer, args) -> list[dict]:
             ):
                 continue  # its rule sends this pass to the grouped path
             row = {"phase": phase, "tokens": tokens, "path": path}
-            try:
-                out = layer.run(path, x, num_decode)
-                row["max_abs_diff"] = float((out.float() - ref).abs().max())
-                row["us"] = graph_us(
-                    functools.partial(layer.run, path, x, num_decode), layer.device, args.repeats, args.warmup
-                )
-            except Exception as err:
-                traceback.print_exc()
-                row["error"] = f"{type(err).__name__}: {err}"
+            time_pass(layer, row, path, x, num_decode, ref, args)
             rows.append(row)
-            print(row, flush=True)
     return rows
+
+
+def time_pass(layer: Layer, row: dict, path: str, x: dict, num_decode: int, ref, args) -> torch.Tensor | None:
+    """Run the pass once (its largest difference to `ref` into row["max_abs_diff"]), then time it as one CUDA
+    graph (row["us"]); an error goes into row["error"] instead. Returns the output (None on error)."""
+    out = None
+    try:
+        out = layer.run(path, x, num_decode)
+        row["max_abs_diff"] = float((out.float() - ref).abs().max())
+        run = functools.partial(layer.run, path, x, num_decode)
+        row["us"] = graph_us(run, layer.device, args.repeats, args.warmup)
+    except Exception as err:
+        traceback.print_exc()
+        row["error"] = f"{type(err).__name__}: {err}"
+    print(row, flush=True)
+    return out
 
 
 MIXED_VARIANTS = (  # (name, path, all tokens in decode tiles)
@@ -189,21 +196,14 @@ def section_mixed(layer: Layer, args) -> list[dict]:
             part = {k: v[:num_decode] for k, v in x.items()} if name == "decode alone" else x
             decode = part["h_TH"].shape[0] if one_phase or name == "decode alone" else num_decode
             row = {"decode": num_decode, "prefill": num_prefill, "variant": name}
-            try:
-                out = outs[name] = layer.run(path, part, decode)
-                want = ref[:num_decode] if name == "decode alone" else ref
-                row["max_abs_diff"] = float((out.float() - want).abs().max())
-                if one_phase and "persistent" in outs:
-                    row["same_bits"] = bool(torch.equal(out, outs["persistent"]))
-                run = functools.partial(layer.run, path, part, decode)
-                row["us"] = graph_us(run, layer.device, args.repeats, args.warmup)
+            want = ref[:num_decode] if name == "decode alone" else ref
+            out = outs[name] = time_pass(layer, row, path, part, decode, want, args)
+            if one_phase and out is not None and outs.get("persistent") is not None:
+                row["same_bits"] = bool(torch.equal(out, outs["persistent"]))
+            if "us" in row:
                 alone_us = alone_us or row["us"]
                 row["over_decode_alone"] = row["us"] / alone_us
-            except Exception as err:
-                traceback.print_exc()
-                row["error"] = f"{type(err).__name__}: {err}"
             rows.append(row)
-            print(row, flush=True)
     return rows
 
 
