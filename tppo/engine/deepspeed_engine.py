@@ -132,6 +132,12 @@ def _start_distributed(cuda: bool) -> None:
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(torch.cuda.device_count(), 1)))
     import deepspeed
 
+    if not cuda:
+        # On the CPU, init_distributed JIT-loads DeepSpeed's shared-memory all-reduce op under a file lock in the
+        # torch extensions cache. A process killed while it holds the lock leaves the lock behind, and every later
+        # start then waits on it forever. Only DeepSpeed's inference all-reduce uses that op (ZeRO training
+        # reduces through torch.distributed), so it is not loaded.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
 
 

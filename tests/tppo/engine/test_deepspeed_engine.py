@@ -6,6 +6,10 @@ the same next step, and strict replay errors."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +26,7 @@ from tppo.engine.hf_replay import HFRoutingReplay, replayed_weights
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
 OPTIM = OptimConfig(lr=1e-3, grad_clip=0.5, weight_decay=0.1)
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
@@ -104,6 +109,29 @@ def test_forward_logprobs_match_megatron_and_transformers(ckpt):
         own = torch.log_softmax(logits[:, :-1].float() / b.temperature, -1)
         own = own.gather(-1, b.input_ids_BT[:, 1:, None])[..., 0] * valid[:, 1:]
         torch.testing.assert_close(a.logprobs_BT[:, 1:], own, rtol=0, atol=1e-5)
+
+
+def test_cpu_start_does_not_wait_on_a_stale_extension_lock(tmp_path):
+    """DeepSpeed's CPU start would JIT-load its shared-memory all-reduce op under a lock in the torch extensions
+    cache, and a process killed while holding it leaves a lock on which every later start waits forever. In a
+    fresh process whose extensions cache holds such a stale lock, the engine's start finishes and leaves that
+    op out."""
+    stale = tmp_path / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / "deepspeed_shm_comm"
+    stale.mkdir(parents=True)
+    (stale / "lock").touch()
+    code = (
+        "from tppo.engine.deepspeed_engine import _start_distributed\n"
+        "import deepspeed.comm.comm as c\n"
+        "_start_distributed(False)\n"
+        "print('shm op:', c.cdb.shm_comm_op)\n"
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "shm op: None" in done.stdout
+    assert (stale / "lock").exists()  # untouched: nothing waited on it or took it
 
 
 def test_critic_values_match_megatron(ckpt):
