@@ -110,10 +110,10 @@ from rollout.kv_cache import available_bytes
 from rollout.model import MoeDecoder, StepBatch, padded_capacity
 from rollout.model_spec import MoeModelSpec
 from rollout.paged_attention import decode_splits, prefill_tiles
+from rollout.plan.profile import SCHEMA  # the schema the planner reads
 from rollout.runner import StepInputs, step_batch
 from rollout.weights import allocate
 
-SCHEMA = "rollout-profile/3"
 HEADROOM_BYTES = 4 * 2**30  # left free beside weights and KV: activations, graph pools, allocator slack
 BLOCK_SIZE = RolloutConfig().kv_block_size
 STEP_TOKENS = RolloutConfig().max_step_tokens  # the engines' least max_step_tokens (the engine's default)

@@ -90,7 +90,14 @@ from rollout.kv_cache import CachePlan, plan_cache
 from rollout.model_spec import MoeModelSpec
 from rollout.plan import GPU_PRESETS, gpu_preset
 from rollout.plan.hardware import shape_from_spec
-from rollout.plan.schedule import BOUND_VARIANTS, decode_iterations, fifo_starts, variant_cost, variant_list
+from rollout.plan.schedule import (
+    BOUND_VARIANTS,
+    RooflineCost,
+    decode_iterations,
+    fifo_starts,
+    variant_cost,
+    variant_list,
+)
 from rollout.step_cost import FEATURES, PrefillBudget
 
 WARMUP_PROMPT = 16  # tokens per warm-up prompt (see warm_up)
@@ -540,7 +547,7 @@ def print_tables(results: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------------- the roofline bound
-def schedule_row(cost, context_N: np.ndarray, new_N: np.ndarray, start_N: np.ndarray) -> dict:
+def schedule_row(cost: RooflineCost, context_N: np.ndarray, new_N: np.ndarray, start_N: np.ndarray) -> dict:
     rows_J, keys_J = decode_iterations(context_N, new_N, start_N)
     decode_s, prefill_s = cost.decode_s(rows_J, keys_J), cost.prefill_s(context_N)
     busy = rows_J[rows_J > 0]
