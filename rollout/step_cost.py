@@ -71,16 +71,36 @@ class StepShape:
         return np.array([1.0, self.rows, self.keys, self.dec_tiles, self.prefill_tokens, self.prefill_tiles])
 
 
+class _Ring:
+    """The last `size` steps of one stratum."""
+
+    def __init__(self, size: int):
+        self.X, self.y, self.added = np.zeros((size, len(FEATURES))), np.zeros(size), 0
+
+    @property
+    def held(self) -> int:
+        return min(self.added, len(self.y))
+
+    def add(self, features: np.ndarray, seconds: float) -> None:
+        slot = self.added % len(self.y)
+        self.X[slot], self.y[slot] = features, seconds
+        self.added += 1
+
+
 @dataclass
 class PrefillBudget:
     """The fitted model and the budget rule (see the module docstring). `record` feeds it the engine's steps;
     it refits once it has `min_steps`, at least `min_each` of them decode-only and mixed; unfitted, the budget is
     `max_tokens`. The engine does not record steps that captured a CUDA graph.
 
-    The fit reads the last `window` steps only, and refits every `refit_every` steps until the window is full,
-    then every window / 8: an engine records every step of every rollout for its whole life (a run of RL steps
-    makes millions), and a fit over all of them, redone every few steps, grew in memory without bound and cost
-    time quadratic in the steps (~0.5 ms of host time a step after 5,000 steps)."""
+    Memory is bounded and keeps every scale of step it has seen: steps fall into strata by the binary
+    magnitude of their decoding rows and of their prefill tokens, and each stratum keeps its last `per_stratum`
+    steps. An engine records every step of every rollout for its whole life (a run of RL steps makes millions),
+    so a fit over all of them grew without bound; one over the last steps alone forgets what it has not seen
+    lately, and a throttled engine sees only the small chunks it allows: their tokens and tiles grow together
+    (each pair its own tile), so the split between c_ptok and c_ptiles, which decides a large chunk's cost, was
+    left to noise and then never tested again. The model refits every `refit_every` steps until `window`
+    steps were recorded, then every window / 8 (host time linear in the steps)."""
 
     slowdown: float
     num_experts: int
@@ -92,12 +112,13 @@ class PrefillBudget:
     min_each: int = 3
     refit_every: int = 8
     window: int = 2048
+    per_stratum: int = 64
     outlier: float = 2.0
     coef: np.ndarray | None = None
     unmet_steps: int = 0
     recorded: int = 0  # steps recorded over the model's life
-    _X: np.ndarray | None = None  # [window, features]: a ring of the last steps' features
-    _y: np.ndarray | None = None  # [window]: their seconds
+    # (rows scale, prefill scale) -> a ring of that stratum's last steps: features [per_stratum, F], seconds
+    _strata: dict[tuple[int, int], _Ring] = field(default_factory=dict)
     _prefill_tiles: np.ndarray | None = None  # [max_tokens + 1]: E[x_pre(p)] over the MoE layers
     # rows -> E[x_dec(rows)] over the MoE layers
     _decode_tiles: dict[int, float] = field(default_factory=dict)
@@ -105,10 +126,10 @@ class PrefillBudget:
     _cheapest: int | None = None  # the chunk `_cheapest_chunk` takes under `coef`
 
     def record(self, shape: StepShape, seconds: float) -> None:
-        if self._X is None:
-            self._X, self._y = np.zeros((self.window, len(FEATURES))), np.zeros(self.window)
-        slot = self.recorded % self.window
-        self._X[slot], self._y[slot] = shape.features(), seconds
+        key = (shape.rows.bit_length(), shape.prefill_tokens.bit_length())
+        if key not in self._strata:
+            self._strata[key] = _Ring(self.per_stratum)
+        self._strata[key].add(shape.features(), seconds)
         self.recorded += 1
         every = self.refit_every if self.recorded <= self.window else max(self.refit_every, self.window // 8)
         if self.recorded >= self.min_steps and self.recorded % every == 0:
@@ -118,10 +139,9 @@ class PrefillBudget:
         """Non-negative least squares over the window's steps (kept unfitted without both kinds of step), then
         once more without the steps that took over `outlier` x the first fit's prediction: a step that paid a
         one-off cost (a kernel's first-launch compile) would otherwise pull every coefficient up."""
-        if self._X is None:
+        if not self._strata:
             return
-        held = min(self.recorded, self.window)
-        X, y = self._X[:held], self._y[:held]
+        X, y = self.steps()
         mixed = int((X[:, 4] > 0).sum())
         decode_only = int(((X[:, 1] > 0) & (X[:, 4] == 0)).sum())
         if min(mixed, decode_only) < self.min_each:
@@ -131,6 +151,11 @@ class PrefillBudget:
         if not typical.all() and typical.sum() >= self.min_steps:
             coef, _ = nnls(X[typical], y[typical])
         self.coef, self._extra, self._cheapest = coef, None, None
+
+    def steps(self) -> tuple[np.ndarray, np.ndarray]:
+        """The steps the fit reads: features [N, F] and seconds [N], every stratum's."""
+        rings = list(self._strata.values())
+        return np.concatenate([r.X[: r.held] for r in rings]), np.concatenate([r.y[: r.held] for r in rings])
 
     def expected(self, rows: int, keys: int, prefill_tokens: int) -> StepShape:
         """A step's shape before it runs: its tiles at their expectation under uniform routing."""

@@ -55,22 +55,46 @@ def test_fit_ignores_steps_that_paid_a_one_off_cost():
     np.testing.assert_allclose(model.coef, COEF, rtol=1e-6, atol=1e-12)
 
 
-def test_fit_reads_the_last_window_of_steps_and_refits_less_once_it_is_full(monkeypatch):
-    """An engine records every step of its life: the model keeps a ring of the last `window` steps (memory
-    bounded), fits those alone (steps that followed older costs drop out), and past a full window refits every
-    window / 8 steps instead of every `refit_every` (host time linear in the steps, not quadratic)."""
-    model, rng = _budget(window=64), np.random.default_rng(3)
+def test_fit_keeps_the_last_steps_of_every_scale_and_refits_less_past_the_window(monkeypatch):
+    """An engine records every step of its life: each stratum (binary magnitude of the decoding rows and of the
+    prefill tokens) keeps its last `per_stratum` steps (memory bounded), the fit reads those alone (older steps
+    of a stratum drop out), and past `window` recorded steps it refits every window / 8 steps instead of every
+    `refit_every` (host time linear in the steps, not quadratic)."""
+    model, rng = _budget(window=64, per_stratum=4), np.random.default_rng(3)
     refits = []
     fit = model.refit
     monkeypatch.setattr(model, "refit", lambda: (refits.append(model.recorded), fit()))
-    for i in range(64 * 5):
-        rows, p = int(rng.integers(1, 64)), int(rng.choice([0, int(rng.integers(1, 2000))]))
+    for i in range(320):
+        rows, p = (3, 20, 50)[i % 3], (0, 10, 300)[i // 3 % 3]  # 9 strata, visited in turn
         shape = model.expected(rows, int(rng.integers(0, 300_000)), p)
-        coef = COEF if i >= 64 * 4 else 3 * COEF  # the costs changed 64 steps before the end
+        coef = COEF if i >= 320 - 9 * 4 else 3 * COEF  # the costs changed 4 steps per stratum before the end
         model.record(shape, float(shape.features() @ coef))
     np.testing.assert_allclose(model.coef, COEF, rtol=1e-6, atol=1e-12)
-    assert model._X.shape == (64, len(FEATURES)) and model.recorded == 320
+    assert len(model._strata) == 9 and model.steps()[0].shape == (9 * 4, len(FEATURES))
+    assert model.recorded == 320
     assert refits == [*range(16, 65, 8), *range(72, 321, 8)]  # every 8, then every max(8, 64 // 8) = 8
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_throttled_engine_still_knows_what_a_large_chunk_costs(seed):
+    """Unfitted, the engine runs whole chunks; fitted, a tight bound holds its chunks to ~50 tokens for
+    thousands of steps. Over such small chunks a chunk's tokens and tiles grow together, so a fit of the recent
+    steps alone splits their cost by noise and mis-prices a large chunk (up to 14% here, 2x measured on an H100);
+    the strata keep the large chunks' steps, and with them the price. Truth: a linear cost, 3% noise."""
+    true = np.array([3e-3, 2e-6, 1e-9, 5e-7, 1.5e-5, 1.2e-6])
+    model, rng = PrefillBudget(0.1, 128, 8, 48, max_tokens=2048), np.random.default_rng(seed)
+
+    def step(rows: int, p: int) -> None:
+        shape = model.expected(rows, rows * int(rng.integers(500, 8000)), p)
+        model.record(shape, float(shape.features() @ true) * (1 + 0.03 * rng.standard_normal()))
+
+    for i in range(64):
+        step(int(rng.integers(8, 128)), int(rng.integers(256, 2049)) * (i % 2))
+    for i in range(4000):
+        step(int(rng.integers(64, 160)), int(rng.integers(40, 57)) * (i % 2))
+    decode, large = model.expected(100, 400_000, 0), model.expected(100, 400_000, 2048)
+    got = model.predict(large) - model.predict(decode)
+    assert got == pytest.approx(float((large.features() - decode.features()) @ true), rel=0.04)
 
 
 def test_refits_thin_out_past_a_full_window(monkeypatch):
