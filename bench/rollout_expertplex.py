@@ -40,6 +40,10 @@ time, each over its time alone:
 - persistent: the prefill pass is a persistent launch with a preemption flag; the decode pass sets the flag on
   its stream, runs, then the prefill's left tiles are resumed (`persistent_moe_run(resume=...)`). The decode pass
   waits at most for the prefill tiles in flight (one tile per resident program).
+- coresident: both passes persistent, each launched with `--arrival-programs-per-sm` programs per SM (1: half the
+  default grid) and no flag, so the GPU can place the decode pass's programs beside the running prefill
+  programs on the same SMs: decode reads weights (memory-bound) while prefill multiplies (compute-bound), the
+  overlap ExpertPlex's kernel gets from one launch. Slowdowns are over each pass alone at the default grid.
 """
 
 from __future__ import annotations
@@ -301,21 +305,26 @@ def section_arrival(layer: Layer, args) -> dict:
     prefill = layer.inputs(args.arrival_prefill, seed=1)
     decode = layer.inputs(args.arrival_decode, seed=2)
     nd = args.arrival_decode
+    programs = (
+        args.arrival_programs_per_sm * torch.cuda.get_device_properties(layer.device).multi_processor_count
+    )
     passes = {
         "decode_us": lambda: layer.run("grouped", decode, nd),
         "prefill_us": lambda: layer.run("grouped", prefill, 0),
         "decode_persistent_us": lambda: layer.run("persistent", decode, nd),
         "prefill_persistent_us": lambda: layer.run("persistent", prefill, 0),
+        "decode_coresident_us": lambda: layer.persistent(decode, nd, num_programs=programs).out_TH,
+        "prefill_coresident_us": lambda: layer.persistent(prefill, 0, num_programs=programs).out_TH,
     }
     alone = {name: graph_us(fn, layer.device, args.repeats, args.warmup) for name, fn in passes.items()}
     out = {"alone": alone}
     streams = (torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-1))  # low, high
-    for mode in ("streams", "persistent"):
-        graphs = arrival_graphs(layer, prefill, decode, mode, args)
+    for mode in ARRIVAL_MODES:
+        graphs = arrival_graphs(layer, prefill, decode, mode, programs, args)
         samples = [arrival_once(graphs, streams, args) for _ in range(args.repeats)]
         decode_us = statistics.median(s[0] for s in samples)
         prefill_us = statistics.median(s[1] for s in samples)
-        suffix = "_persistent" if mode == "persistent" else ""
+        suffix = "" if mode == "streams" else "_persistent"
         out[mode] = {
             "decode_us": decode_us,
             "prefill_us": prefill_us,
@@ -326,15 +335,24 @@ def section_arrival(layer: Layer, args) -> dict:
     return out
 
 
-def arrival_graphs(layer: Layer, prefill: dict, decode: dict, mode: str, args) -> dict:
-    """The replays of one arrival: prefill (a persistent launch with a preemption flag, or the grouped path),
-    decode (flag raised, the pass, flag lowered), and for the persistent mode the resume of the prefill's left
-    tiles (over the buffers the prefill graph captured). Each graph has its own capture stream (`graphed`)."""
+ARRIVAL_MODES = ("streams", "persistent", "coresident")
+
+
+def arrival_graphs(layer: Layer, prefill: dict, decode: dict, mode: str, programs: int, args) -> dict:
+    """The replays of one arrival: prefill (a persistent launch with a preemption flag, or the grouped path, or
+    a persistent launch of `programs` programs), decode (flag raised, the pass, flag lowered; or the pass alone),
+    and for the persistent mode the resume of the prefill's left tiles (over the buffers the prefill graph
+    captured). Each graph has its own capture stream (`graphed`)."""
     nd = args.arrival_decode
-    if mode == "streams":
+    if mode in ("streams", "coresident"):
+        run = (
+            (lambda x, n: layer.run("grouped", x, n))
+            if mode == "streams"
+            else (lambda x, n: layer.persistent(x, n, num_programs=programs).out_TH)
+        )
         return {
-            "prefill": graphed(lambda: layer.run("grouped", prefill, 0), layer.device, eager=False),
-            "decode": graphed(lambda: layer.run("grouped", decode, nd), layer.device, eager=False),
+            "prefill": graphed(lambda: run(prefill, 0), layer.device, eager=False),
+            "decode": graphed(lambda: run(decode, nd), layer.device, eager=False),
         }
     flag = torch.zeros(1, dtype=torch.int32, device=layer.device)
     captured: list[MoeRun] = []
@@ -393,6 +411,12 @@ def main() -> None:
     ap.add_argument("--arrival-prefill", type=int, default=8192)
     ap.add_argument("--arrival-decode", type=int, default=128)
     ap.add_argument("--arrival-delay-us", type=float, default=10.0)
+    ap.add_argument(
+        "--arrival-programs-per-sm",
+        type=int,
+        default=1,
+        help="each pass's grid in the coresident arrival mode",
+    )
     ap.add_argument("--sections", type=lambda s: s.split(","), default=["paths", "mixed", "sweep", "arrival"])
     ap.add_argument(
         "--mixed",
@@ -485,7 +509,7 @@ def print_tables(results: dict) -> None:
     arrival = results.get("arrival", {})
     if "streams" in arrival:
         print("\n| scheduling | decode latency us (x alone) | prefill us (x alone) |\n|---|---|---|")
-        for mode in ("streams", "persistent"):
+        for mode in (m for m in ARRIVAL_MODES if m in arrival):
             a = arrival[mode]
             print(
                 f"| {mode} | {a['decode_us']:.0f} ({a['decode_slowdown']:.2f}x) | "

@@ -253,7 +253,8 @@ class TrainerWorker:
         if old_from_update:
             (step,) = schedule
             outs, results[0].outputs = results[0].outputs, None
-            store_old_logprobs([batches[m] for m in step], outs, take_routing=False)
+            host = [to_device(o, torch.device("cpu")) for o in outs]  # beside the rollout's, as `forward` returns
+            store_old_logprobs([batches[m] for m in step], host, take_routing=False)
             results[-1].metrics |= self._mismatch(batches)
         return results
 
