@@ -42,13 +42,12 @@ import numpy as np
 import torch
 
 from rollout.config import RolloutConfig
-from rollout.kernels.persistent_moe import BLOCK_M_DECODE, BLOCK_M_PREFILL
 from rollout.kv_cache import BlockTable, CachePlan, KVCache, available_bytes, plan_cache
 from rollout.model import MoeDecoder
 from rollout.model_spec import MoeModelSpec
 from rollout.runner import CACHE_ROW, POSITION, SEQ, TOKEN, StepInputs, StepOutputs, StepRunner
 from rollout.sampling import SamplingParams
-from rollout.step_cost import PrefillBudget, StepShape, layer_expert_counts, phase_tiles
+from rollout.step_cost import PrefillBudget, StepShape, layer_expert_counts
 from rollout.weights import WeightMap, allocate, init_random, load_checkpoint
 
 FINISH_REASONS = ("eos", "stop", "length")
@@ -487,14 +486,9 @@ class RolloutEngine:
 
     def _shape(self, inputs: StepInputs, out: StepOutputs) -> StepShape:
         """The step as the cost model reads it: its rows, keys, and each phase's MoE tiles from its routing."""
-        n, e = inputs.num_decode, self.spec.num_experts
-        routes = out.routes_TLK
-        return StepShape(
-            rows=n,
-            keys=int(inputs.tokens_T4[:n, POSITION].sum()) + n,
-            dec_tiles=phase_tiles(routes[:n], e, BLOCK_M_DECODE),
-            prefill_tokens=inputs.num_tokens - n,
-            prefill_tiles=phase_tiles(routes[n:], e, BLOCK_M_PREFILL),
+        n = inputs.num_decode
+        return self.prefill_budget.measured(
+            rows=n, keys=int(inputs.tokens_T4[:n, POSITION].sum()) + n, routes_TLK=out.routes_TLK
         )
 
     def _output(self, r: _Request) -> GenerationOutput:

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.kernels.persistent_moe import persistent_moe, triton_runs_on
+from rollout.kernels.tiling import kernel_num_decode
 from rollout.kv_cache import KVCache
 from rollout.model_spec import MoeModelSpec
 from rollout.paged_attention import AttentionBatch, paged_attention
@@ -147,8 +148,10 @@ class MoeDecoder:
     ) -> torch.Tensor:
         """residual + sum_k w_tk down_e(silu(gate_e h_t) * up_e h_t), e = ids_tk; the k-sum runs over the pairs in
         token order (deterministic, unlike index_add). The first `num_decode` tokens are decode rows (the
-        persistent kernel schedules their tiles first)."""
+        persistent kernel schedules their tiles first; a small prefill segment joins them in decode tiles,
+        `kernel_num_decode`)."""
         if self.persistent:
+            num_tokens, k = ids_TK.shape
             return persistent_moe(
                 h_TH,
                 weights_TK,
@@ -156,7 +159,7 @@ class MoeDecoder:
                 layer.gate_up_EFH,
                 layer.down_EHF,
                 residual_TH,
-                num_decode=num_decode,
+                num_decode=kernel_num_decode(num_tokens, num_decode, k, self.spec.num_experts),
             )
         num_tokens, k = ids_TK.shape
         capacity = self.capacity_for(num_tokens * k, self.spec.num_experts)

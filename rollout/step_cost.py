@@ -5,28 +5,32 @@ A step of `rows` decoding rows attending to `keys` cached positions, plus `p` pr
 
     t = c0 + c_rows rows + c_keys keys + c_dtiles x_dec + c_ptok p + c_ptiles x_pre
 
-with x_dec = sum_l sum_e ceil(m_le^dec / M_dec) and x_pre = sum_l sum_e ceil(m_le^pre / M_pre) the MoE tiles of
-each phase over the L MoE layers (m_le: the phase's (token, expert) pairs of expert e in layer l; M: the tile
-heights of the persistent kernel, BLOCK_M_DECODE and BLOCK_M_PREFILL). The coefficients are fitted by
-non-negative least squares from the engine's own steps (their wall time and their actual tiles, counted from
-the routing they recorded). Before a step the tiles are not known yet: they are taken at their expectation under
-uniform routing, E[x] = L E E[ceil(m / M)] with m ~ Binomial(tokens, K / E).
+with x_dec and x_pre the persistent kernel's decode and prefill tiles over the L MoE layers, sum_l sum_e
+ceil(m_le / M) (m_le: the (token, expert) pairs of expert e in layer l that the tiles hold; M: their height,
+BLOCK_M_DECODE or BLOCK_M_PREFILL). The kernel cuts a small prefill segment into decode tiles with the decoding
+rows (at most S tokens, rollout.kernels.tiling): x_dec then counts the tiles of all rows + p tokens and x_pre is 0. The
+coefficients are fitted by non-negative least squares from the engine's own steps (their wall time and their
+actual tiles, counted from the routing they recorded). Before a step the tiles are not known yet: they are taken
+at their expectation under uniform routing, E[x] = L E E[ceil(m / M)] with m ~ Binomial(tokens, K / E).
 
-The prefill budget of a step is the largest p with
+The prefill budget of a step is the largest p whose extra time, over the decode-only step's, stays within
+s x that step's time:
 
-    c_ptok p + c_ptiles E[x_pre(p)] <= s (c0 + c_rows rows + c_keys keys + c_dtiles E[x_dec(rows)]),
+    extra(p) = c_ptok p + c_ptiles E[x_pre(p)]                           (a prefill segment in prefill tiles)
+    extra(p) = c_ptok p + c_dtiles (E[x_dec(rows + p)] - E[x_dec(rows)])  (in decode tiles: p <= S)
+    extra(p) <= s (c0 + c_rows rows + c_keys keys + c_dtiles E[x_dec(rows)]),
 
-i.e. predicted time <= (1 + s) x the decode-only step's. The left side grows monotonically in p and does not
-depend on the step: it is tabulated for p = 0..max_tokens once per fit (E[x_pre(p)] once per model) and searched,
-so a step's budget costs microseconds of host time, not the milliseconds of evaluating the expectations again.
+i.e. predicted time <= (1 + s) x the decode-only step's. Each branch grows monotonically in p. The first does
+not depend on the step: it is tabulated for p = 0..max_tokens once per fit and searched above S; only the S + 1
+values of the second are computed per step, so a step's budget costs microseconds of host time.
 
 When not even `min_tokens` fit the bound, no chunk size keeps it, and throttling would only multiply the mixed
 steps: a few decoding rows of a fine-grained MoE touch a fraction of its experts, and the first prefill tokens
 touch most of the rest, so a step's extra time is mostly fixed (on an H100, 48 layers of 128 experts top-8 at ~10
-decode rows: 12.9 ms decode-only, 24.7 ms with 16 prefill tokens, about 3x with ~2,000). The step then carries the
-chunk that costs the decoding rows least per prefill token, the smallest within 1% of the best over
-`min_tokens`, twice that, ... and `max_tokens`: all of `max_tokens` when the extra time is mostly fixed, the floor
-when it grows with the tokens. `unmet_steps` counts those steps, and the first one is logged.
+decode rows: 12.9 ms decode-only, 24.7 ms with 16 prefill tokens in prefill tiles, about 3x with ~2,000). The
+step then carries the chunk that costs the decoding rows least per prefill token, the smallest within 1% of the
+best over `min_tokens`, twice that, ... and `max_tokens`: all of `max_tokens` when the extra time is mostly fixed,
+the floor when it grows with the tokens. `unmet_steps` counts those steps, and the first one is logged.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import nnls
 
-from rollout.kernels.persistent_moe import BLOCK_M_DECODE, BLOCK_M_PREFILL
+from rollout.kernels.tiling import BLOCK_M_DECODE, BLOCK_M_PREFILL, max_small_prefill, prefill_in_decode_tiles
 from rollout.plan.perf import expected_tiles, tiles
 
 log = logging.getLogger(__name__)
@@ -120,10 +124,13 @@ class PrefillBudget:
     # (rows scale, prefill scale) -> a ring of that stratum's last steps: features [per_stratum, F], seconds
     _strata: dict[tuple[int, int], _Ring] = field(default_factory=dict)
     _prefill_tiles: np.ndarray | None = None  # [max_tokens + 1]: E[x_pre(p)] over the MoE layers
-    # rows -> E[x_dec(rows)] over the MoE layers
-    _decode_tiles: dict[int, float] = field(default_factory=dict)
+    _decode_tiles: np.ndarray | None = None  # [n]: E[x_dec(rows)] over the MoE layers, extended on demand
     _extra: np.ndarray | None = None  # [max_tokens + 1]: c_ptok p + c_ptiles E[x_pre(p)] under `coef`
-    _cheapest: int | None = None  # the chunk `_cheapest_chunk` takes under `coef`
+
+    @property
+    def small_prefill(self) -> int:
+        """S: the most prefill tokens the kernel still cuts into decode tiles."""
+        return min(self.max_tokens, max_small_prefill(self.top_k, self.num_experts))
 
     def record(self, shape: StepShape, seconds: float) -> None:
         key = (shape.rows.bit_length(), shape.prefill_tokens.bit_length())
@@ -150,7 +157,7 @@ class PrefillBudget:
         typical = y <= self.outlier * (X @ coef)
         if not typical.all() and typical.sum() >= self.min_steps:
             coef, _ = nnls(X[typical], y[typical])
-        self.coef, self._extra, self._cheapest = coef, None, None
+        self.coef, self._extra = coef, None
 
     def steps(self) -> tuple[np.ndarray, np.ndarray]:
         """The steps the fit reads: features [N, F] and seconds [N], every stratum's."""
@@ -159,12 +166,31 @@ class PrefillBudget:
 
     def expected(self, rows: int, keys: int, prefill_tokens: int) -> StepShape:
         """A step's shape before it runs: its tiles at their expectation under uniform routing."""
-        if rows not in self._decode_tiles:
-            e, k, layers = self.num_experts, self.top_k, self.num_moe_layers
-            self._decode_tiles[rows] = layers * expected_tiles(rows, e, k, BLOCK_M_DECODE)
+        if prefill_tokens and prefill_in_decode_tiles(prefill_tokens, rows, self.top_k, self.num_experts):
+            return StepShape(rows, keys, float(self._tiles_N(rows + prefill_tokens)[-1]), prefill_tokens, 0.0)
         return StepShape(
-            rows, keys, self._decode_tiles[rows], prefill_tokens, self._tiles_P()[prefill_tokens]
+            rows, keys, float(self._tiles_N(rows)[-1]), prefill_tokens, self._tiles_P()[prefill_tokens]
         )
+
+    def measured(self, rows: int, keys: int, routes_TLK: np.ndarray) -> StepShape:
+        """A step's shape after it ran, its tiles counted from its routing (decoding rows first, then prefill),
+        cut as the kernel cut them."""
+        e, p = self.num_experts, routes_TLK.shape[0] - rows
+        if p and prefill_in_decode_tiles(p, rows, self.top_k, e):
+            return StepShape(rows, keys, phase_tiles(routes_TLK, e, BLOCK_M_DECODE), p, 0.0)
+        decode, prefill = routes_TLK[:rows], routes_TLK[rows:]
+        return StepShape(
+            rows, keys, phase_tiles(decode, e, BLOCK_M_DECODE), p, phase_tiles(prefill, e, BLOCK_M_PREFILL)
+        )
+
+    def _tiles_N(self, n: int) -> np.ndarray:
+        """E[x_dec(0..n)] over the MoE layers: decode tiles of 0..n rows (computed once, extended as needed)."""
+        have = 0 if self._decode_tiles is None else len(self._decode_tiles)
+        if have <= n:
+            e, k, layers = self.num_experts, self.top_k, self.num_moe_layers
+            more = [layers * expected_tiles(r, e, k, BLOCK_M_DECODE) for r in range(have, n + 1)]
+            self._decode_tiles = np.concatenate([self._decode_tiles if have else np.zeros(0), more])
+        return self._decode_tiles[: n + 1]
 
     def _tiles_P(self) -> np.ndarray:
         """E[x_pre(p)] over the MoE layers for p = 0..max_tokens (the same for every step: computed once)."""
@@ -176,10 +202,16 @@ class PrefillBudget:
         return self._prefill_tiles
 
     def _extra_P(self) -> np.ndarray:
-        """The predicted extra step time of p prefill tokens, p = 0..max_tokens, under the current fit."""
+        """The predicted extra step time of p prefill tokens in prefill tiles, p = 0..max_tokens."""
         if self._extra is None:
             self._extra = self.coef[4] * np.arange(self.max_tokens + 1) + self.coef[5] * self._tiles_P()
         return self._extra
+
+    def _extra_small(self, rows: int) -> np.ndarray:
+        """The predicted extra step time of p = 0..S prefill tokens in decode tiles beside `rows` rows."""
+        s = self.small_prefill
+        tiles_N = self._tiles_N(rows + s)
+        return self.coef[4] * np.arange(s + 1) + self.coef[3] * (tiles_N[rows:] - tiles_N[rows])
 
     def predict(self, shape: StepShape) -> float:
         if self.coef is None:
@@ -191,22 +223,24 @@ class PrefillBudget:
         if self.coef is None or rows == 0:
             return self.max_tokens
         decode_s = self.predict(self.expected(rows, keys, 0))
-        # the largest p whose extra time fits (p = 0 always does: its extra time is 0)
-        fits = int(np.searchsorted(self._extra_P(), self.slowdown * decode_s, side="right")) - 1
+        bound = self.slowdown * decode_s
+        # the largest p whose extra time fits: above S from the table, else among the small chunks (p = 0 fits)
+        fits = int(np.searchsorted(self._extra_P(), bound, side="right")) - 1
+        if fits <= self.small_prefill:
+            fits = int(np.searchsorted(self._extra_small(rows), bound, side="right")) - 1
         floor = min(self.min_tokens, self.max_tokens)
         if fits >= floor:
             return fits
         return self._cheapest_chunk(rows, keys, decode_s, floor)
 
     def _cheapest_chunk(self, rows: int, keys: int, decode_s: float, floor: int) -> int:
-        """The chunk with the most prefill tokens per second of extra step time (the bound cannot hold); the
-        extra time, c_ptok p + c_ptiles E[x_pre(p)], is the same whatever the decoding rows, so the choice is
-        made once per fit."""
-        if self._cheapest is None:
-            sizes_P = np.array([*range(floor, self.max_tokens, floor), self.max_tokens])
-            per_s_P = sizes_P / np.maximum(self._extra_P()[sizes_P], 1e-12)
-            self._cheapest = int(sizes_P[np.argmax(per_s_P >= 0.99 * per_s_P.max())])
-        chosen = self._cheapest
+        """The chunk with the most prefill tokens per second of extra step time (the bound cannot hold)."""
+        sizes_P = np.array([*range(floor, self.max_tokens, floor), self.max_tokens])
+        small_P = sizes_P <= self.small_prefill
+        extra_P = self._extra_P()[sizes_P]
+        extra_P[small_P] = self._extra_small(rows)[sizes_P[small_P]]
+        per_s_P = sizes_P / np.maximum(extra_P, 1e-12)
+        chosen = int(sizes_P[np.argmax(per_s_P >= 0.99 * per_s_P.max())])
         if not self.unmet_steps:
             log.warning(
                 "rollout.max_decode_slowdown=%g cannot hold at %d decoding rows: %d prefill tokens are predicted "

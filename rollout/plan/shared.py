@@ -48,13 +48,13 @@ from typing import Any
 
 import numpy as np
 
+from rollout.kernels.tiling import BLOCK_M_DECODE as TILE_M_DECODE
+from rollout.kernels.tiling import BLOCK_M_PREFILL as TILE_M_PREFILL
 from rollout.plan.hardware import GB, GpuSpec, ModelShape, powers_of_two
 from rollout.plan.perf import comm_ms, expected_tiles, pingpong_iteration_ms, roofline_ms
 from rollout.plan.profile import ExpertPoint, FittedOverhead, Profile, StepPoint, fit_overhead, relative_nnls
 from rollout.plan.search import Search, Workload, dispatch_bytes_per_token
 
-TILE_M_DECODE = 16  # rollout/kernels/persistent_moe.py BLOCK_M_DECODE (not imported: that module needs torch)
-TILE_M_PREFILL = 128  # ... BLOCK_M_PREFILL
 PREEMPT_US = 25.0
 ARCHS = ("shared", "pd-replicas", "colocated")
 

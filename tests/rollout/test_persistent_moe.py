@@ -672,7 +672,8 @@ def test_captured_launch_reads_routing_and_flag_from_the_device():
 def test_rows_are_batch_invariant():
     """A row's output is bitwise the same whatever shares the launch: decode rows alone, with more decode rows,
     and with a prefill phase behind them; prefill rows alone and behind a decode phase (each phase's tile shape
-    is fixed, and a tile's rows do not mix in the MMA or the fp32 k-sum)."""
+    is fixed, and a tile's rows do not mix in the MMA or the fp32 k-sum); and whichever tile height holds them
+    (the engine cuts small prefill segments into decode tiles, rollout.kernels.tiling)."""
     spec = dict(REALISTIC, T=320, num_decode=96)
     inputs = make_inputs(spec, "cuda")
     rows = ("h_TH", "weights_TK", "ids_TK", "residual_TH")
@@ -686,6 +687,9 @@ def test_rows_are_batch_invariant():
     assert torch.equal(launch(slice(0, 96), 96), full_TH[:96])
     assert torch.equal(launch(slice(96, None), 0), full_TH[96:])
     assert torch.equal(launch(slice(40, None), 56), full_TH[40:])
+    assert torch.equal(launch(slice(None), 320), full_TH)  # every row in decode tiles
+    assert torch.equal(launch(slice(96, None), 224), full_TH[96:])
+    assert torch.equal(launch(slice(0, 96), 0), full_TH[:96])  # decode rows in prefill tiles
 
 
 if __name__ == "__main__":

@@ -447,17 +447,6 @@ def test_kernel_fit_recovers_equation_2():
     assert (got.alpha, got.beta, got.gamma, got.delta) == pytest.approx((0.01, 2e-3, 4e-6, 3e-9), rel=1e-6)
 
 
-def test_tile_sizes_match_the_persistent_kernel():
-    import re
-    from pathlib import Path
-
-    from rollout.plan.shared import TILE_M_DECODE, TILE_M_PREFILL
-
-    src = (Path(__file__).resolve().parents[2] / "rollout/kernels/persistent_moe.py").read_text()
-    assert int(re.search(r"^BLOCK_M_DECODE = (\d+)", src, re.M).group(1)) == TILE_M_DECODE
-    assert int(re.search(r"^BLOCK_M_PREFILL = (\d+)", src, re.M).group(1)) == TILE_M_PREFILL
-
-
 def test_goodput_is_the_slower_phase():
     from rollout.plan.shared import goodput
 

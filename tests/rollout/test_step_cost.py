@@ -65,7 +65,7 @@ def test_fit_keeps_the_last_steps_of_every_scale_and_refits_less_past_the_window
     fit = model.refit
     monkeypatch.setattr(model, "refit", lambda: (refits.append(model.recorded), fit()))
     for i in range(320):
-        rows, p = (3, 20, 50)[i % 3], (0, 10, 300)[i // 3 % 3]  # 9 strata, visited in turn
+        rows, p = (3, 20, 50)[i % 3], (0, 10, 1000)[i // 3 % 3]  # 9 strata, visited in turn
         shape = model.expected(rows, int(rng.integers(0, 300_000)), p)
         coef = COEF if i >= 320 - 9 * 4 else 3 * COEF  # the costs changed 4 steps per stratum before the end
         model.record(shape, float(shape.features() @ coef))
@@ -134,25 +134,59 @@ def _extra_per_token(model: PrefillBudget, rows: int, keys: int, p: int) -> floa
     return p / (model.predict(model.expected(rows, keys, p)) - decode_s)
 
 
+TILE_BOUND = np.array([2e-3, 1e-5, 2e-8, 4e-5, 3e-6, 2e-5])  # a decode tile costs 2x a prefill tile
+
+
 def test_an_unreachable_bound_with_a_fixed_prefill_cost_takes_whole_chunks(caplog):
-    model = _budget(slowdown=0.1, coef=COEF)
-    # each prefill token opens new tiles in ~8 experts x 4 layers: even one breaks a 10% bound here, and the
-    # first tokens' tiles are most of a chunk's extra time, so larger chunks cost less per token
-    assert model.predict(model.expected(8, 40_000, 1)) > 1.1 * model.predict(model.expected(8, 40_000, 0))
+    model = _budget(slowdown=0.02, coef=TILE_BOUND)
+    # each prefill token opens decode tiles in the ~3 of its 8 experts x 4 layers that the 8 rows left untouched:
+    # even one breaks a 2% bound here, and the first tokens' tiles are most of a small chunk's extra time, so
+    # larger chunks cost less per token
+    assert model.predict(model.expected(8, 40_000, 1)) > 1.02 * model.predict(model.expected(8, 40_000, 0))
     with caplog.at_level("WARNING", logger="rollout.step_cost"):
         p = model.budget(8, 40_000)
-        assert model.budget(64, 400_000) == p  # the extra time of a chunk does not depend on the rows
+        assert model.budget(4, 20_000) > 1024
     best = max(_extra_per_token(model, 8, 40_000, q) for q in range(16, 2049))
     assert _extra_per_token(model, 8, 40_000, p) >= 0.98 * best
     assert p > 1024 and _extra_per_token(model, 8, 40_000, p) > 10 * _extra_per_token(model, 8, 40_000, 16)
     assert model.unmet_steps == 2
-    assert [r.getMessage() for r in caplog.records if "max_decode_slowdown=0.1" in r.getMessage()] != []
+    assert [r.getMessage() for r in caplog.records if "max_decode_slowdown=0.02" in r.getMessage()] != []
     assert len(caplog.records) == 1  # logged once
     assert model.budget(0, 0) == 2048  # no decoding row to protect
 
 
+def test_small_chunks_are_priced_in_decode_tiles_beside_the_rows():
+    """The kernel cuts up to S = 16 E / K prefill tokens into decode tiles with the decoding rows: such a chunk's
+    extra time is its decode tiles beyond the rows' own (experts the rows touched already cost nothing more)
+    plus its tokens; a larger chunk's is its prefill tiles plus its tokens."""
+    model = _budget(coef=COEF)
+    assert model.small_prefill == 16 * 64 // 8
+    small, large = model.expected(20, 1000, 100), model.expected(20, 1000, 129)
+    assert small.prefill_tiles == 0 and small.dec_tiles == model.expected(120, 1000, 0).dec_tiles
+    assert large.dec_tiles == model.expected(20, 1000, 0).dec_tiles and large.prefill_tiles > 0
+    routes = np.random.default_rng(0).integers(0, 64, size=(30, 4, 8))
+    assert model.measured(10, 500, routes) == StepShape(10, 500, phase_tiles(routes, 64, 16), 20, 0.0)
+    assert model.measured(0, 0, routes) == StepShape(
+        0, 0, 0, 30, phase_tiles(routes, 64, 128)
+    )  # prefill alone
+    routes = np.random.default_rng(0).integers(0, 64, size=(10 + 500, 4, 8))
+    shape = model.measured(10, 500, routes)
+    assert (shape.dec_tiles, shape.prefill_tiles) == (
+        phase_tiles(routes[:10], 64, 16),
+        phase_tiles(routes[10:], 64, 128),
+    )
+    # the budget is the largest chunk within the bound, on either side of S
+    for rows, slowdown in ((8, 0.3), (8, 2.0), (64, 0.05)):
+        model = _budget(coef=COEF, slowdown=slowdown)
+        p, bound = model.budget(rows, 40_000), (1 + slowdown) * model.predict(model.expected(rows, 40_000, 0))
+        fitting = [q for q in range(2049) if model.predict(model.expected(rows, 40_000, q)) <= bound]
+        assert p == max(fitting)
+
+
 def test_an_unreachable_bound_with_a_per_token_prefill_cost_keeps_the_floor():
-    per_token = np.array([2e-3, 1e-5, 2e-8, 4e-6, 3e-4, 0.0])  # a prefill token costs 30 decode rows
+    per_token = np.array(
+        [2e-3, 1e-5, 2e-8, 0.0, 3e-4, 0.0]
+    )  # a prefill token costs 30 decode rows; tiles free
     model = _budget(slowdown=0.1, coef=per_token)
     assert model.budget(8, 40_000) == 16  # every chunk costs the same per token: the least per step
     assert model.unmet_steps == 1

@@ -1,0 +1,51 @@
+"""Which tile height the persistent MoE kernel gives a step's prefill tokens (rollout.kernels.tiling), and that
+the engine's expert path passes the kernel that choice."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import rollout.model
+from rollout.kernels.tiling import (
+    BLOCK_M_DECODE,
+    BLOCK_M_PREFILL,
+    SMALL_PREFILL_PAIRS,
+    kernel_num_decode,
+    max_small_prefill,
+    prefill_in_decode_tiles,
+)
+
+
+@pytest.mark.parametrize(("top_k", "num_experts"), [(8, 128), (2, 8), (6, 64)])
+def test_small_prefill_fills_one_decode_tile_per_expert(top_k, num_experts):
+    s = max_small_prefill(top_k, num_experts)
+    assert s * top_k <= SMALL_PREFILL_PAIRS * num_experts < (s + 1) * top_k
+    assert SMALL_PREFILL_PAIRS == BLOCK_M_DECODE < BLOCK_M_PREFILL
+    assert prefill_in_decode_tiles(s, 1, top_k, num_experts)
+    assert not prefill_in_decode_tiles(s + 1, 1, top_k, num_experts)
+    assert not prefill_in_decode_tiles(1, 0, top_k, num_experts)  # a prefill pass alone keeps prefill tiles
+    assert max_small_prefill(8, 128) == 256  # Qwen3-30B-A3B
+
+
+def test_kernel_num_decode():
+    assert kernel_num_decode(num_tokens=128 + 256, num_decode=128, top_k=8, num_experts=128) == 384
+    assert kernel_num_decode(num_tokens=128 + 257, num_decode=128, top_k=8, num_experts=128) == 128
+    assert kernel_num_decode(num_tokens=64, num_decode=64, top_k=8, num_experts=128) == 64  # decode only
+    assert kernel_num_decode(num_tokens=200, num_decode=0, top_k=8, num_experts=128) == 0  # prefill only
+
+
+@pytest.mark.parametrize(
+    ("tokens", "num_decode", "want"), [(40, 8, 40), (200, 8, 8), (100, 0, 0), (12, 12, 12)]
+)
+def test_the_engines_expert_path_passes_the_kernel_that_choice(monkeypatch, tokens, num_decode, want):
+    """MoeDecoder.experts on the persistent path, E = 16, K = 2: S = 16 x 16 / 2 = 128 prefill tokens."""
+    seen = []
+    monkeypatch.setattr(rollout.model, "persistent_moe", lambda *a, **kw: seen.append(kw["num_decode"]))
+    model = SimpleNamespace(persistent=True, spec=SimpleNamespace(num_experts=16))
+    layer = SimpleNamespace(gate_up_EFH=None, down_EHF=None)
+    h_TH, ids_TK = torch.zeros(tokens, 4), torch.zeros(tokens, 2, dtype=torch.long)
+    rollout.model.MoeDecoder.experts(model, layer, h_TH, torch.ones(tokens, 2), ids_TK, h_TH, num_decode)
+    assert seen == [want]
