@@ -253,7 +253,8 @@ class TrainerWorker:
         if old_from_update:
             (step,) = schedule
             outs, results[0].outputs = results[0].outputs, None
-            host = [to_device(o, torch.device("cpu")) for o in outs]  # beside the rollout's, as `forward` returns
+            # on the host beside the rollout's log-probs, as `forward` returns them
+            host = [to_device(o, torch.device("cpu")) for o in outs]
             store_old_logprobs([batches[m] for m in step], host, take_routing=False)
             results[-1].metrics |= self._mismatch(batches)
         return results
