@@ -329,13 +329,14 @@ def test_two_training_steps_of_gsm8k_tiny(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------- countdown
-def _countdown_cfg(*overrides: str) -> ExperimentConfig:
-    return compose("train", ["experiment=countdown_long", *overrides])
+def _countdown_cfg(*overrides: str, experiment: str = "countdown_long") -> ExperimentConfig:
+    return compose("train", [f"experiment={experiment}", *overrides])
 
 
-def test_the_long_countdown_recipe_builds_its_task():
+@pytest.mark.parametrize("experiment", ["countdown_long", "countdown_xl"])
+def test_the_long_countdown_recipe_builds_its_task(experiment):
     """data.countdown_max sizes the task: its ids, its stop token, its demonstrations and its verifier."""
-    cfg = _countdown_cfg()
+    cfg = _countdown_cfg(experiment=experiment)
     task = build_task(cfg)
     size = cfg.data.countdown_max
     assert task.vocab_size == size + 4 and task.stop_token_ids == (size + 1,)
