@@ -7,11 +7,12 @@ A step of `rows` decoding rows attending to `keys` cached positions, plus `p` pr
 
 with x_dec and x_pre the persistent kernel's decode and prefill tiles over the L MoE layers, sum_l sum_e
 ceil(m_le / M) (m_le: the (token, expert) pairs of expert e in layer l that the tiles hold; M: their height,
-BLOCK_M_DECODE or BLOCK_M_PREFILL). The kernel cuts a small prefill segment into decode tiles with the decoding
-rows (at most S tokens, rollout.kernels.tiling): x_dec then counts the tiles of all rows + p tokens and x_pre is 0. The
-coefficients are fitted by non-negative least squares from the engine's own steps (their wall time and their
-actual tiles, counted from the routing they recorded). Before a step the tiles are not known yet: they are taken
-at their expectation under uniform routing, E[x] = L E E[ceil(m / M)] with m ~ Binomial(tokens, K / E).
+BLOCK_M_DECODE or BLOCK_M_PREFILL). The kernel cuts a small prefill segment (at most S tokens,
+rollout.kernels.tiling) into decode tiles with the decoding rows: x_dec then counts the tiles of all rows + p
+tokens and x_pre is 0. The coefficients are fitted by non-negative least squares from the engine's own steps
+(their wall time and their actual tiles, counted from the routing they recorded). Before a step the tiles are not
+known yet: they are taken at their expectation under uniform routing, E[x] = L E E[ceil(m / M)] with
+m ~ Binomial(tokens, K / E).
 
 The prefill budget of a step is the largest p whose extra time, over the decode-only step's, stays within
 s x that step's time:
@@ -143,7 +144,7 @@ class PrefillBudget:
             self.refit()
 
     def refit(self) -> None:
-        """Non-negative least squares over the window's steps (kept unfitted without both kinds of step), then
+        """Non-negative least squares over the strata's steps (kept unfitted without both kinds of step), then
         once more without the steps that took over `outlier` x the first fit's prediction: a step that paid a
         one-off cost (a kernel's first-launch compile) would otherwise pull every coefficient up."""
         if not self._strata:
