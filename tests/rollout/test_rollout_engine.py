@@ -315,31 +315,41 @@ import numpy as np
 from rollout import RolloutEngine, SamplingParams
 from rollout.config import RolloutConfig
 
-# Steps of at most 6 tokens: decode rows and prompt chunks share steps, so the kernel sees both phases.
+import rollout.kernels.tiling as tiling
+
+# Steps of at most 6 tokens: decode rows and prompt chunks share steps, so the kernel sees both phases. Their
+# prefill segments are small, so the kernel cuts them into decode tiles with the rows; with the rule's threshold
+# at 0 it cuts them by phase.
 outs = {}
-for kernel in ("grouped", "persistent"):
+for name, kernel, small_pairs in (("grouped", "grouped", 16), ("decode_tiles", "persistent", 16),
+                                  ("by_phase", "persistent", 0)):
+    tiling.SMALL_PREFILL_PAIRS = small_pairs
     config = RolloutConfig(
         max_model_len=64, max_batch_size=4, kv_cache_tokens=4 * 64, max_step_tokens=6, expert_kernel=kernel
     )
     engine = RolloutEngine.from_pretrained(sys.argv[1], config=config)
-    outs[kernel] = engine.generate(json.loads(sys.argv[2]), SamplingParams(max_new_tokens=8, temperature=0))
+    outs[name] = engine.generate(json.loads(sys.argv[2]), SamplingParams(max_new_tokens=8, temperature=0))
     mixed = engine.last_stats.num_mixed_steps
-pairs = list(zip(outs["grouped"], outs["persistent"]))
-print(json.dumps({
-    "tokens_equal": all(a.token_ids == b.token_ids for a, b in pairs),
-    "routes_equal": all(np.array_equal(a.routed_experts, b.routed_experts) for a, b in pairs),
-    "logprob_diff": max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in pairs),
-    "mixed_steps": mixed,
-}))
+result = {"mixed_steps": mixed}
+for name in ("decode_tiles", "by_phase"):
+    pairs = list(zip(outs["grouped"], outs[name]))
+    result[name] = {
+        "tokens_equal": all(a.token_ids == b.token_ids for a, b in pairs),
+        "routes_equal": all(np.array_equal(a.routed_experts, b.routed_experts) for a, b in pairs),
+        "logprob_diff": max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in pairs),
+    }
+print(json.dumps(result))
 """
 
 
 def test_persistent_expert_kernel_equals_grouped_in_the_engine(qwen_ckpt):
     """rollout.expert_kernel=persistent (the Triton kernel, interpreted on the CPU) gives the grouped path's tokens,
-    routes and log-probs (fp32) through mixed prefill + decode steps."""
+    routes and log-probs (fp32) through mixed prefill + decode steps, whichever way it cuts their prefill."""
     result = interpreter_results("-c", ENGINE_PERSISTENT, str(qwen_ckpt), json.dumps(PROMPTS), timeout=600)
-    assert result["tokens_equal"] and result["routes_equal"] and result["mixed_steps"] > 0, result
-    assert result["logprob_diff"] < 1e-5, result
+    assert result["mixed_steps"] > 0, result
+    for cut in ("decode_tiles", "by_phase"):
+        assert result[cut]["tokens_equal"] and result[cut]["routes_equal"], result
+        assert result[cut]["logprob_diff"] < 1e-5, result
 
 
 def test_persistent_expert_kernel_needs_cuda_or_the_interpreter(qwen_ckpt):
