@@ -150,8 +150,8 @@ class MoeDecoder:
         token order (deterministic, unlike index_add). The first `num_decode` tokens are decode rows (the
         persistent kernel schedules their tiles first; a small prefill segment joins them in decode tiles,
         `kernel_num_decode`)."""
+        num_tokens, k = ids_TK.shape
         if self.persistent:
-            num_tokens, k = ids_TK.shape
             return persistent_moe(
                 h_TH,
                 weights_TK,
@@ -161,7 +161,6 @@ class MoeDecoder:
                 residual_TH,
                 num_decode=kernel_num_decode(num_tokens, num_decode, k, self.spec.num_experts),
             )
-        num_tokens, k = ids_TK.shape
         capacity = self.capacity_for(num_tokens * k, self.spec.num_experts)
         if capacity is not None:
             rows = self._padded_rows(h_TH, ids_TK, self.experts_E, capacity)

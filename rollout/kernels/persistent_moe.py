@@ -93,8 +93,9 @@ __all__ = [
 
 # Defaults from bench/rollout_expertplex.py --sections sweep on an H100 (Qwen3-30B-A3B experts, bf16, graph-timed;
 # bench/RESULTS.md): the best configuration for a mixed launch, whose two phases share block_n, block_k and the
-# launch options (the tile heights are rollout.kernels.tiling's). Against one program per SM with 64-row prefill tiles, 64 x 64 blocks, 4 warps, 3 stages: a
-# 128-row decode pass 638 -> 548 us, an 8192-token prefill pass 4586 -> 2747 us.
+# launch options (the tile heights are rollout.kernels.tiling's). Against one program per SM with 64-row prefill
+# tiles, 64 x 64 blocks, 4 warps, 3 stages: a 128-row decode pass 638 -> 548 us, an 8192-token prefill pass
+# 4586 -> 2747 us.
 BLOCK_N = 128
 BLOCK_K = 64
 NUM_WARPS = 8

@@ -166,9 +166,8 @@ def test_small_chunks_are_priced_in_decode_tiles_beside_the_rows():
     assert large.dec_tiles == model.expected(20, 1000, 0).dec_tiles and large.prefill_tiles > 0
     routes = np.random.default_rng(0).integers(0, 64, size=(30, 4, 8))
     assert model.measured(10, 500, routes) == StepShape(10, 500, phase_tiles(routes, 64, 16), 20, 0.0)
-    assert model.measured(0, 0, routes) == StepShape(
-        0, 0, 0, 30, phase_tiles(routes, 64, 128)
-    )  # prefill alone
+    prefill_alone = StepShape(0, 0, 0, 30, phase_tiles(routes, 64, 128))
+    assert model.measured(0, 0, routes) == prefill_alone
     routes = np.random.default_rng(0).integers(0, 64, size=(10 + 500, 4, 8))
     shape = model.measured(10, 500, routes)
     assert (shape.dec_tiles, shape.prefill_tiles) == (
@@ -184,9 +183,8 @@ def test_small_chunks_are_priced_in_decode_tiles_beside_the_rows():
 
 
 def test_an_unreachable_bound_with_a_per_token_prefill_cost_keeps_the_floor():
-    per_token = np.array(
-        [2e-3, 1e-5, 2e-8, 0.0, 3e-4, 0.0]
-    )  # a prefill token costs 30 decode rows; tiles free
+    # a prefill token costs 30 decode rows; tiles are free
+    per_token = np.array([2e-3, 1e-5, 2e-8, 0.0, 3e-4, 0.0])
     model = _budget(slowdown=0.1, coef=per_token)
     assert model.budget(8, 40_000) == 16  # every chunk costs the same per token: the least per step
     assert model.unmet_steps == 1

@@ -157,7 +157,7 @@ class TrainerWorker:
             record_routing=record_routing,
             require_replay=_replayed(batches),
         )
-        return [to_device(o, torch.device("cpu")) for o in outs]
+        return _on_host(outs)
 
     def stage(self, batches: Sequence[TrainBatch]) -> None:
         """Keep this step's micro-batches on the rank: the old log-probs, the reference log-probs and the update
@@ -254,8 +254,7 @@ class TrainerWorker:
             (step,) = schedule
             outs, results[0].outputs = results[0].outputs, None
             # on the host beside the rollout's log-probs, as `forward` returns them
-            host = [to_device(o, torch.device("cpu")) for o in outs]
-            store_old_logprobs([batches[m] for m in step], host, take_routing=False)
+            store_old_logprobs([batches[m] for m in step], _on_host(outs), take_routing=False)
             results[-1].metrics |= self._mismatch(batches)
         return results
 
@@ -336,6 +335,11 @@ def deepspeed_dir(shard: str | Path) -> Path:
     <dir>/<role>_deepspeed."""
     shard = Path(shard)
     return shard.with_name(re.sub(r"_?rank\d+\.pt$", "", shard.name) + "_deepspeed")
+
+
+def _on_host(outs: Sequence[ForwardOutput]) -> list[ForwardOutput]:
+    """Forward outputs moved to the CPU, where the staged batches (and the rollout's log-probs) live."""
+    return [to_device(o, torch.device("cpu")) for o in outs]
 
 
 def _replayed(batches: Sequence[TrainBatch]) -> bool:
