@@ -3,7 +3,7 @@
     python bench/rollout_disagg.py --profile --json bench/out/rollout_disagg_profile.json   # one GPU, bf16
     python bench/rollout_disagg.py --profile --tiny      # CPU smoke run: toy shapes, fp32, wall time
 
-Writes the profile JSON `rollout-profile/3` (read by `python -m rollout.plan --profile`): the device, its measured
+Writes the profile JSON `rollout-profile/4` (read by `python -m rollout.plan --profile`): the device, its measured
 copy bandwidth, the model's widths, the expert path the engines ran ("expert_kernel": persistent, padded or
 grouped, from `--expert-kernel`, whose auto is the persistent Triton kernel on CUDA and grouped GEMMs on the CPU)
 and, per section, one row per point. Model: decoder layers of Qwen3-30B-A3B (hidden 2048, 32 q / 4 kv heads of
@@ -12,7 +12,8 @@ fp32 on the CPU. Schema /2 over /1: the per-layer times are amortised over `--gr
 "overhead" section is new (the planner still reads /1 files: without overhead rows it keeps the LM head's
 roofline as the step's only fixed cost, and says so). /3 over /2: "expert_kernel", the "prefill_attention"
 section, prefill-phase experts rows and the steps' prefill rows (every experts and steps row has a "phase"), so a
-plan's prefill side is checked on one GPU too, not only its decode steps.
+plan's prefill side is checked on one GPU too, not only its decode steps. /4 over /3: overhead rows come from
+steps of one and of two layers (below), which gives what a layer adds inside a step.
 
 Sections (a point that raises is listed under "errors" and the others still run):
 1. attention: for every `--batches` x `--contexts`, what an attention worker runs per layer for `batch` decode rows
@@ -39,13 +40,15 @@ Sections (a point that raises is listed under "errors" and the others still run)
    cuda_graph_max_tokens tokens runs eagerly, as in the engine). `--validate` compares a plan's prediction with
    these.
 5. overhead: the step's fixed cost (embedding, final norm + LM head, sampling, host copies and the step's one
-   sync), per phase. Decode at every `--step-batches` x `--step-contexts` point: the whole decode step of a
-   ONE-layer engine (as in section 4) minus that layer's attention (batch, context) and experts (tokens = batch)
-   times, timed as in sections 1 and 3 (measured for this point if those sections did not). Prefill at every
-   `--prefill-points` seqs:length (batch = seqs, context = length): the one-layer prefill step minus that
-   point's prefill_attention row and the prefill-phase experts row of seqs x length tokens (skipped when either
-   is missing). Rows: phase, batch, context, ms (the overhead; noise can make it slightly negative), and the
-   step_ms, attention_ms, experts_ms it came from.
+   sync) and what a layer adds inside a step, per phase: whole steps of a ONE-layer and a TWO-layer engine (as
+   in section 4) at every `--step-batches` x `--step-contexts` point (decode) and every `--prefill-points`
+   seqs:length (prefill; batch = seqs, context = length). layer_ms = step2_ms - step_ms, ms = step_ms - layer_ms
+   (noise can make it slightly negative). Beside them the layer's passes timed alone: decode attention (batch,
+   context) and experts (tokens = batch) as in sections 1 and 3 (measured for this point if those sections did
+   not); the point's prefill_attention row and the prefill-phase experts row of seqs x length tokens (skipped
+   when either is missing). The planner scales the passes by layer_ms / (attention_ms + experts_ms): timed
+   alone, a small prefill pass costs ~1.4x what it adds to a step. Rows: phase, batch, context, ms, layer_ms,
+   step_ms, step2_ms, attention_ms, experts_ms.
 6. overlap (CUDA only): for each `--overlap` point batch:context:tokens, the attention part of one micro-batch and
    the experts of another (`tokens` tokens) launched back to back on two CUDA streams, timed together, against
    each alone and their sum: how much of MegaScale-Infer's ping-pong one GPU can overlap. On a layer engine of
@@ -634,12 +637,16 @@ def steps_section(run: Recorder, args, base: dict, device: torch.device, dtype: 
     return run.out["steps"]
 
 
-def overhead_parts(step: float, parts: tuple[float, float]) -> dict:
-    """A one-layer step minus its layer: ms = step_ms - attention_ms - experts_ms."""
+def overhead_parts(steps: tuple[float, float], parts: tuple[float, float]) -> dict:
+    """Steps of one and two layers: layer_ms = step2_ms - step_ms (what a layer adds inside a step) and ms =
+    step_ms - layer_ms (the step with no layer); attention_ms + experts_ms are the layer's passes timed alone."""
+    one, two = steps
     attention, experts = parts
     return {
-        "ms": step - attention - experts,
-        "step_ms": step,
+        "ms": 2 * one - two,
+        "layer_ms": two - one,
+        "step_ms": one,
+        "step2_ms": two,
         "attention_ms": attention,
         "experts_ms": experts,
     }
@@ -654,32 +661,49 @@ def prefill_parts(out: dict, seqs: int, length: int) -> tuple[float, float] | No
 
 
 def overhead_section(run: Recorder, args, base: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    """The step's fixed cost of each phase: a ONE-layer engine's whole step minus that layer's parts, measured by
-    layer_sections: at every step point, a decode step minus run.parts (attention and experts); at every
-    prefill point, a prefill step minus its prefill attention and prefill-phase experts. A prefill step's fixed
-    cost differs from a decode step's (no graph replay at large steps, its own sampling and copies), so each
-    phase gets its own rows."""
-    engine, why, prefill_why = step_engine(run, args, base, 1, device, dtype, args.prefill_points)
-
-    def point(row: dict, why_not: str | None, parts: tuple[float, float] | None, step_ms) -> None:
-        if why_not is not None:
-            run.skip("overhead", row, why_not)
+    """The step's fixed cost of each phase and what a layer adds inside a step: whole steps of a ONE-layer and a
+    TWO-layer engine at every step point (decode) and every prefill point, beside that point's layer timed
+    alone by layer_sections (run.parts for decode; the prefill attention and prefill-phase experts rows). A
+    prefill step's fixed cost differs from a decode step's (no graph replay at large steps, its own sampling and
+    copies), so each phase gets its own rows."""
+    timed: dict[tuple[str, int, int], list[float]] = {}  # point -> [one-layer step ms, two-layer step ms]
+    for num_layers in (1, 2):
+        engine, why, prefill_why = step_engine(
+            run, args, base, num_layers, device, dtype, args.prefill_points
+        )
+        step_fns = {
+            **{("decode", b, c): partial(time_replay, engine, b, at_context(c, args.repeats), device)
+               for b, c in step_grid(args)},
+            **{("prefill", n, s): partial(prefill_step_ms, engine, n, s, args, device)
+               for n, s in args.prefill_points},
+        }  # fmt: skip
+        for key, step in step_fns.items():
+            if len(timed.get(key, ())) == num_layers - 1:  # a point whose one-layer step failed stops there
+                why_not = (why if key[0] == "decode" else prefill_why).get(key[1:])
+                _time_step(run, timed, key, why_not, step)
+        engine = None  # its KV cache goes before the next engine
+        free_memory()
+    for (phase, b, c), ms in timed.items():
+        row = {"phase": phase, "batch": b, "context": c}
+        parts = run.parts.get((b, c)) if phase == "decode" else prefill_parts(run.out, b, c)
+        if len(ms) < 2:
+            run.skip("overhead", row, "the two-layer step was not measured (see skipped and errors)")
         elif parts is None:
             run.skip("overhead", row, "no attention/experts time at this point (see skipped and errors)")
         else:
-            run.point("overhead", row, lambda: overhead_parts(step_ms(), parts))
-
-    for b, c in step_grid(args):
-        timing = at_context(c, args.repeats)
-        step_ms = partial(time_replay, engine, b, timing, device)
-        point({"phase": "decode", "batch": b, "context": c}, why.get((b, c)), run.parts.get((b, c)), step_ms)
-    for n, s in args.prefill_points:
-        step_ms = partial(prefill_step_ms, engine, n, s, args, device)
-        row = {"phase": "prefill", "batch": n, "context": s}
-        point(row, prefill_why.get((n, s)), prefill_parts(run.out, n, s), step_ms)
-    engine = None  # its KV cache goes before the next section's engine
-    free_memory()
+            run.point("overhead", row, lambda s=tuple(ms), p=parts: overhead_parts(s, p))
     return run.out["overhead"]
+
+
+def _time_step(run: Recorder, timed: dict, key: tuple[str, int, int], why_not: str | None, step) -> None:
+    """Append the step's time to timed[key], or record why it was not measured."""
+    point = {"phase": key[0], "batch": key[1], "context": key[2], "num_layers": len(timed.get(key, ())) + 1}
+    if why_not is not None:
+        run.skip("overhead", point, why_not)
+    elif run.over():
+        run.skip("overhead", point, "time budget (--time-budget-s) spent")
+    elif (ms := run.attempt("overhead", point, step)) is not None:
+        timed.setdefault(key, []).append(ms)
 
 
 def new_profile(args, base: dict, device: torch.device) -> dict:

@@ -4,7 +4,9 @@
 Schema /3 adds what the ExpertPlex planner (rollout/plan/shared.py) needs to be checked on one GPU: the expert
 path the engine ran (`expert_kernel`), `prefill_attention` rows (one layer's attention for `seqs` prompts of
 `length` tokens from position 0), a `phase` on `experts` rows (decode: every token a decode row; prefill: none)
-and on `steps` and `overhead` rows (prefill steps: `batch` prompts of `context` tokens).
+and on `steps` and `overhead` rows (prefill steps: `batch` prompts of `context` tokens). Schema /4 times each
+overhead point's step with one layer and with two: `layer_ms` (the second minus the first) is what a layer adds
+inside a step, `parts_ms` its passes timed alone, and `ms` the step extrapolated to no layers.
 
 Fits (non-negative least squares on relative error, so that 0.05 ms and 5 ms points weigh alike and every slope
 stays >= 0, which keeps times monotone in the batch and the binary search of the planner exact):
@@ -16,13 +18,18 @@ stays >= 0, which keeps times monotone in the batch and the binary search of the
   experts t tokens touch: a fine-grained MoE re-reads nearly every expert per micro-batch, so the time follows
   the weight bytes touched (e1) before the FLOPs (e2). Form "linear" is MegaScale-Infer's T_e = k3 t + k4.
   A worker holding E_w of the E experts scales the D and t K terms by E_w / E (and by 1 / g under TP).
-- step overhead: O(b) = o0 + o1 b, the fixed cost of one decode step of b rows beyond its L layers (embedding,
-  final norm + LM head, sampling, host copies and the step's one sync), fitted by NNLS on absolute error (the
-  rows are differences of measurements, so a few may be ~0 or slightly negative) to the profile's "overhead"
-  rows (schema /2). So a step is predicted as L (T_a + T_e [+ 2 T_c]) + O(b) (rollout/plan/search.py). O is
-  measured on one GPU and kept whole under TP (conservative, like a0). A profile without overhead rows (schema
-  /1, or the section skipped) and the analytic roofline keep the former fixed cost, the LM head's roofline
-  alone (LayerTimes.note says so).
+- step overhead: O(t) = o0 + o1 t, the fixed cost of one step computing t tokens (b decode rows, or a prefill
+  step's prompt tokens) beyond its L layers (embedding, final norm + LM head, sampling, host copies and the
+  step's one sync), fitted by NNLS on absolute error (the rows are differences of measurements, so a few may be
+  ~0 or slightly negative) to the profile's "overhead" rows of the phase (schema /2). So a step is predicted as
+  L (T_a + T_e [+ 2 T_c]) + O(b) (rollout/plan/search.py). O is measured on one GPU and kept whole under TP
+  (conservative, like a0). A profile without overhead rows (schema /1, or the section skipped) and the analytic
+  roofline keep the former fixed cost, the LM head's roofline alone (LayerTimes.note says so).
+- in-step scale (schema /4): a pass timed alone is not what it adds inside a step (on an H100 a 512-token
+  prefill layer's passes took 0.66 ms alone, ~0.48 ms as one layer of a 4-layer step; decode layers ~10% more
+  in the step). r(t) = layer_ms / parts_ms of the overhead rows at t tokens, interpolated linearly in log2 t
+  (constant past the ends), multiplies every attention, prefill attention and experts row of its phase before
+  the fits (in_step), so that L layers and O add up to the step.
 
 Legend: b decode rows, C context, t tokens, E experts, K top-k, E_w experts of one worker, g TP degree.
 """
@@ -31,7 +38,8 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,9 +48,10 @@ import numpy as np
 from rollout.plan.hardware import GpuSpec, ModelShape
 from rollout.plan.perf import distinct_experts, roofline_ms
 
-SCHEMA = "rollout-profile/3"
-# /1: no "overhead" section, times of one graph per layer part; /2: no prefill rows, no phases
-SCHEMAS = ("rollout-profile/1", "rollout-profile/2", SCHEMA)
+SCHEMA = "rollout-profile/4"
+# /1: no "overhead" section, times of one graph per layer part; /2: no prefill rows, no phases; /3: no two-layer
+# steps in the overhead rows
+SCHEMAS = ("rollout-profile/1", "rollout-profile/2", "rollout-profile/3", SCHEMA)
 PHASES = ("decode", "prefill")
 MODEL_KEYS = ("hidden_size", "num_experts", "top_k", "moe_ffn", "num_heads", "num_kv_heads", "head_dim")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
@@ -87,13 +96,22 @@ class StepPoint:
 
 @dataclass(frozen=True)
 class OverheadPoint:
-    """A step's fixed cost at `batch` rows: a one-layer step minus its layer (ms may be <= 0 from noise); a
-    prefill step's (schema /3) at `batch` prompts of `context` tokens."""
+    """A step's fixed cost at `batch` rows (ms may be <= 0 from noise); a prefill step's (schema /3) at `batch`
+    prompts of `context` tokens. Up to /3 a one-layer step minus its layer's passes timed alone; from /4 the step
+    extrapolated to no layers, with `layer_ms` (what one layer adds inside the step) and `parts_ms` (its passes
+    timed alone)."""
 
     batch: int
     context: int
     ms: float
     phase: str = "decode"
+    layer_ms: float | None = None
+    parts_ms: float | None = None
+
+    @property
+    def tokens(self) -> int:
+        """The tokens the step computes: its decode rows, or its prompts' tokens."""
+        return self.batch * self.context if self.phase == "prefill" else self.batch
 
 
 @dataclass(frozen=True)
@@ -183,11 +201,28 @@ def _step(row: Any, i: int, where: str) -> StepPoint:
 
 
 def _overhead(row: Any, i: int, where: str) -> OverheadPoint:
-    """An overhead row: batch and context > 0; ms any finite number (a difference of two measurements)."""
+    """An overhead row: batch and context > 0; ms any finite number (a difference of two measurements); with
+    layer_ms (schema /4), layer_ms finite too (a difference) and its parts attention_ms + experts_ms > 0."""
     if not isinstance(row, dict) or any(k not in row for k in ("batch", "context", "ms")):
         raise ValueError(f"profile {where}: overhead[{i}] = {row}; expected keys ['batch', 'context', 'ms']")
+    layer = parts = None
+    if "layer_ms" in row:
+        if "attention_ms" not in row or "experts_ms" not in row:
+            raise ValueError(
+                f"profile {where}: overhead[{i}] = {row}: layer_ms without attention_ms, experts_ms"
+            )
+        layer, parts = float(row["layer_ms"]), float(row["attention_ms"]) + float(row["experts_ms"])
+        if not (np.isfinite(layer) and parts > 0):
+            raise ValueError(
+                f"profile {where}: overhead[{i}] = {row}: layer_ms must be finite, its parts > 0"
+            )
     point = OverheadPoint(
-        int(row["batch"]), int(row["context"]), float(row["ms"]), _phase(row, "overhead", i, where)
+        int(row["batch"]),
+        int(row["context"]),
+        float(row["ms"]),
+        _phase(row, "overhead", i, where),
+        layer,
+        parts,
     )
     if point.batch <= 0 or point.context <= 0 or not np.isfinite(point.ms):
         raise ValueError(f"profile {where}: overhead[{i}] = {row}: batch, context must be > 0, ms finite")
@@ -393,15 +428,63 @@ def decode_points(points: tuple[ExpertPoint, ...]) -> tuple[ExpertPoint, ...]:
 
 
 def fit_overhead(points: tuple[OverheadPoint, ...]) -> FittedOverhead:
-    """O(b) = o0 + o1 b by NNLS on absolute error; o0 = max(0, mean) alone when the rows have one batch."""
+    """O(t) = o0 + o1 t over the rows' tokens by NNLS on absolute error; o0 = max(0, mean) alone when the rows
+    have one size."""
     if not points:
         raise ValueError("profile: no overhead rows to fit")
-    batch_N = np.array([p.batch for p in points], dtype=float)
+    batch_N = np.array([p.tokens for p in points], dtype=float)
     ms_N = np.array([p.ms for p in points])
     if len(set(batch_N.tolist())) < 2:
         return FittedOverhead((max(0.0, float(ms_N.mean())), 0.0))
     coef = nnls(np.stack([np.ones_like(batch_N), batch_N], axis=1), ms_N)
     return FittedOverhead((float(coef[0]), float(coef[1])))
+
+
+@dataclass(frozen=True)
+class InStepScale:
+    """r(t): what a layer of t tokens adds inside a step over its passes timed alone, linear in log2 t between
+    the measured sizes and constant past them."""
+
+    log2_tokens: tuple[float, ...]
+    ratio: tuple[float, ...]
+
+    def at(self, tokens: float) -> float:
+        return float(np.interp(np.log2(max(tokens, 1.0)), self.log2_tokens, self.ratio))
+
+
+def fit_in_step(points: tuple[OverheadPoint, ...]) -> InStepScale | None:
+    """r at each size the rows with a two-layer step measured (the mean where several share it), or None. A row
+    whose layer_ms is <= 0 (a layer smaller than the noise of two steps: toy models on a CPU) gives no ratio."""
+    by_tokens: dict[int, list[float]] = defaultdict(list)
+    for p in points:
+        if p.layer_ms is not None and p.parts_ms is not None and p.layer_ms > 0:
+            by_tokens[p.tokens].append(p.layer_ms / p.parts_ms)
+    if not by_tokens:
+        return None
+    sizes = sorted(by_tokens)
+    return InStepScale(
+        tuple(float(np.log2(t)) for t in sizes), tuple(float(np.mean(by_tokens[t])) for t in sizes)
+    )
+
+
+def in_step(profile: Profile) -> Profile:
+    """The profile's passes as they cost inside a step: each attention, prefill attention and experts row times
+    r(t) of its phase (t: decode rows; a prefill pass's tokens), where its overhead rows measured r; the rows
+    as they are for a phase without (schema < /4)."""
+    scale = {ph: fit_in_step(tuple(p for p in profile.overhead if p.phase == ph)) for ph in PHASES}
+
+    def times(phase: str, tokens: float, ms: float) -> float:
+        r = scale[phase]
+        return ms * r.at(tokens) if r is not None else ms
+
+    return replace(
+        profile,
+        attention=tuple(replace(p, ms=times("decode", p.batch, p.ms)) for p in profile.attention),
+        prefill_attention=tuple(
+            replace(p, ms=times("prefill", p.seqs * p.length, p.ms)) for p in profile.prefill_attention
+        ),
+        experts=tuple(replace(p, ms=times(p.phase, p.tokens, p.ms)) for p in profile.experts),
+    )
 
 
 def analytic_times(model: ModelShape, gpu: GpuSpec) -> LayerTimes:
@@ -413,7 +496,9 @@ def analytic_times(model: ModelShape, gpu: GpuSpec) -> LayerTimes:
 
 
 def fitted_times(profile: Profile, gpu: GpuSpec, form: str) -> LayerTimes:
-    """Fits of the profile; the LM head keeps the roofline, with the profile's copy bandwidth when it has one."""
+    """Fits of the profile's in-step times; the LM head keeps the roofline, with the profile's copy bandwidth
+    when it has one."""
+    profile = in_step(profile)
     attention = fit_attention(profile.attention, profile.model.num_kv_heads)
     # the replicas model times decode steps: prefill-phase passes (schema /3) use other tiles
     experts = fit_experts(decode_points(profile.experts), profile.model, form)

@@ -15,12 +15,14 @@ their length (decode: the `attention` rows of a profile, else the roofline; pref
 rows of a rollout-profile/3, else the roofline), MoE with x = x_moe = sum_e ceil(m_e / M_t) tiles (equation 3;
 M_t = 16 for decode and 128 for prefill, rollout/kernels/persistent_moe.py's BLOCK_M_DECODE / BLOCK_M_PREFILL),
 from the profile's `experts` rows of that phase (all rows when it has none of it) or the roofline converted to
-expected tiles, and s unused. A pass of b rows also pays the step's fixed cost O(b) (embedding, LM head,
-sampling, the host copy) where the profile has `overhead` rows, a prefill pass its own O_p(n) where it has
-prefill overhead rows (else O); the roofline has none.
+expected tiles, and s unused. The points are the passes' in-step times (rollout/plan/profile.py's in_step: a
+rollout-profile/4 scales each pass timed alone by what a layer measured to add inside a step). A pass of b rows
+also pays the step's fixed cost O(b) (embedding, LM head, sampling, the host copy) where the profile has
+`overhead` rows, a prefill pass of n s tokens its own O_p(n s) where it has prefill overhead rows (else O); the
+roofline has none.
 One GPU checks the model (`python -m rollout.plan --arch shared --validate P`): a colocated instance of one GPU
 predicts a decode step of L layers as L (T_attn_d(b, C) + T_moe_d(x_moe(b))) + O(b) and a prefill pass of n
-prompts of s tokens as L (T_attn_p(n, s) + T_moe_p(x_moe(n s))) + O_p(n), against P's measured `steps`.
+prompts of s tokens as L (T_attn_p(n, s) + T_moe_p(x_moe(n s))) + O_p(n s), against P's measured `steps`.
 
 Assumptions (where this departs from or goes beyond the paper):
 - Uniform routing (expected tiles); a pool splits its work evenly over its GPUs (x / n per GPU).
@@ -52,7 +54,15 @@ from rollout.kernels.tiling import BLOCK_M_DECODE as TILE_M_DECODE
 from rollout.kernels.tiling import BLOCK_M_PREFILL as TILE_M_PREFILL
 from rollout.plan.hardware import GB, GpuSpec, ModelShape, powers_of_two
 from rollout.plan.perf import comm_ms, expected_tiles, pingpong_iteration_ms, roofline_ms
-from rollout.plan.profile import ExpertPoint, FittedOverhead, Profile, StepPoint, fit_overhead, relative_nnls
+from rollout.plan.profile import (
+    ExpertPoint,
+    FittedOverhead,
+    Profile,
+    StepPoint,
+    fit_overhead,
+    in_step,
+    relative_nnls,
+)
 from rollout.plan.search import Search, Workload, dispatch_bytes_per_token
 
 PREEMPT_US = 25.0
@@ -90,11 +100,11 @@ class Kernels:
     moe_prefill: KernelFit  # x tiles of TILE_M_PREFILL rows
     source: str
     overhead: FittedOverhead | None = None  # O(b), a decode step's fixed cost
-    prefill_overhead: FittedOverhead | None = None  # O_p(n), a prefill step's (else the decode one)
+    prefill_overhead: FittedOverhead | None = None  # O_p(t), a t-token prefill step's (else O)
 
-    def fixed_ms(self, rows: float, phase: str = "decode") -> float:
+    def fixed_ms(self, tokens: float, phase: str = "decode") -> float:
         fit = self.prefill_overhead if phase == "prefill" and self.prefill_overhead else self.overhead
-        return fit.ms(rows) if fit is not None else 0.0
+        return fit.ms(tokens) if fit is not None else 0.0
 
 
 @functools.lru_cache(maxsize=65536)
@@ -129,8 +139,10 @@ def phase_points(points: tuple[ExpertPoint, ...], phase: str, max_tokens: float)
 
 
 def build_kernels(s: Search, profile: Profile | None) -> Kernels:
-    """Equation 2 fitted per kernel; points from the profile where its schema has them, else the times model."""
+    """Equation 2 fitted per kernel; points from the profile (in-step times) where its schema has them, else the
+    times model."""
     m, times, gpu = s.model, s.times, s.cluster.gpu
+    profile = in_step(profile) if profile else None
     grid_b, grid_c = (1, 4, 16, 64, 256), (256, 1024, 4096, 16384)
     if profile and profile.attention:
         dec = [(p.batch, p.context, p.ms) for p in profile.attention]
@@ -187,7 +199,7 @@ def prefill_pass_ms(k: Kernels, m: ModelShape, seqs: float, length: float, layer
 def predict_step_ms(k: Kernels, m: ModelShape, step: StepPoint) -> float:
     """A measured one-GPU engine step as the planner models it: its pass over its layers plus O(rows)."""
     if step.phase == "prefill":
-        fixed = k.fixed_ms(step.batch, "prefill")
+        fixed = k.fixed_ms(step.batch * step.context, "prefill")
         return prefill_pass_ms(k, m, step.batch, step.context, step.num_layers) + fixed
     return decode_pass_ms(k, m, step.batch, step.context, step.num_layers) + k.fixed_ms(step.batch)
 
@@ -300,7 +312,7 @@ def _instance_times(c: Ctx, g: int, b_d: float, b_p: float) -> tuple[float, floa
     t_d = decode_pass_ms(k, m, b_d, d.context_avg, L, g) + _pass_ms(c, 0.0, 0.0, _instance_comm(c, b_d, g))
     comm_p = _instance_comm(c, b_p * d.prompt_len, g)
     t_p = prefill_pass_ms(k, m, b_p, d.prompt_len, L, g) + _pass_ms(c, 0.0, 0.0, comm_p)
-    return t_d + k.fixed_ms(b_d), t_p + k.fixed_ms(b_p, "prefill")
+    return t_d + k.fixed_ms(b_d), t_p + k.fixed_ms(b_p * d.prompt_len, "prefill")
 
 
 def pd_outcome(c: Ctx, lay: Layout, b_d: int) -> Outcome:

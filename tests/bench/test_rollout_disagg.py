@@ -2,7 +2,7 @@
 (decode and prefill) present or reported as skipped, a failing point does not stop the run, the attention part it
 times is the model's own layer (same output, reads the cached context through the block table) for decode rows
 and prefill prompts, the prefill steps it times are the engine's own prefill, each timed rep runs its own layer,
-the overhead rows are a one-layer step minus its layer, and --expert-kernel reaches every engine."""
+the overhead rows come from steps of one and two layers, and --expert-kernel reaches every engine."""
 
 from __future__ import annotations
 
@@ -36,7 +36,17 @@ ROW_KEYS = {
     "experts": {"tokens", "phase", "ms"},
     "overlap": {"batch", "context", "tokens", "attention_ms", "experts_ms", "sum_ms", "two_streams_ms"},
     "steps": {"layout", "phase", "batch", "context", "num_layers", "step_ms"},
-    "overhead": {"phase", "batch", "context", "ms", "step_ms", "attention_ms", "experts_ms"},
+    "overhead": {
+        "phase",
+        "batch",
+        "context",
+        "ms",
+        "layer_ms",
+        "step_ms",
+        "step2_ms",
+        "attention_ms",
+        "experts_ms",
+    },
 }
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -100,7 +110,7 @@ def profile(tmp_path_factory) -> dict:
 
 
 def test_profile_json_follows_the_schema(profile):
-    assert profile["schema"] == "rollout-profile/3"
+    assert profile["schema"] == "rollout-profile/4"
     assert profile["expert_kernel"] == "grouped"  # --expert-kernel auto on the CPU
     assert profile["device"] == "cpu" and profile["dtype"] == "float32"
     assert isinstance(profile["copy_GBps"], float) and profile["copy_GBps"] > 0
@@ -112,7 +122,8 @@ def test_profile_json_follows_the_schema(profile):
         assert isinstance(profile[name], list)
         for row in profile[name]:
             assert set(row) == keys, (name, row)
-            times = [v for k, v in row.items() if k.endswith("ms") and (name, k) != ("overhead", "ms")]
+            differences = {("overhead", "ms"), ("overhead", "layer_ms")}
+            times = [v for k, v in row.items() if k.endswith("ms") and (name, k) not in differences]
             assert all(isinstance(t, float) and math.isfinite(t) and t > 0 for t in times), (name, row)
     assert all(r["layout"] == "replicas" for r in profile["steps"])
     assert profile["errors"] == [] and not [k for k in profile if k.endswith("_error")]
@@ -319,17 +330,24 @@ def test_prefill_points_size_the_engines_and_those_that_do_not_fit_are_skipped()
 
 
 def test_the_expert_kernel_option_reaches_every_engine(tmp_path, monkeypatch):
-    """--expert-kernel is every RolloutConfig's expert_kernel, and the JSON names the path the engines ran."""
-    kernels = []
-    config = bench.RolloutConfig
+    """--expert-kernel is every RolloutConfig's expert_kernel, and the JSON names the path the engines ran; the
+    overhead section's step engines have one and two layers, the steps section's --step-layers."""
+    kernels, layers = [], []
+    config, step_engine = bench.RolloutConfig, bench.step_engine
 
     def recorded(**kwargs):
         kernels.append(kwargs.get("expert_kernel"))
         return config(**kwargs)
 
+    def counted(run, args, base, num_layers, *rest):
+        layers.append(num_layers)
+        return step_engine(run, args, base, num_layers, *rest)
+
     monkeypatch.setattr(bench, "RolloutConfig", recorded)
-    out = run_tiny(tmp_path, "--expert-kernel", "padded")
-    assert len(kernels) == 3 and set(kernels) == {"padded"}  # the layer, overhead and steps engines
+    monkeypatch.setattr(bench, "step_engine", counted)
+    out = run_tiny(tmp_path, "--expert-kernel", "padded", "--step-layers", "3")
+    assert layers == [1, 2, 3]
+    assert len(kernels) == 4 and set(kernels) == {"padded"}  # the layer, two overhead and the steps engines
     assert out["expert_kernel"] == "padded" and out["errors"] == []
     assert out["meta"]["expert_paths"] == {"1": "grouped", "8": "grouped", "32": "padded"}  # padded_capacity
 
@@ -363,16 +381,18 @@ def test_tiny_profile_on_cuda_times_every_section(tmp_path):
         assert row["sum_ms"] == pytest.approx(row["attention_ms"] + row["experts_ms"])
 
 
-def test_overhead_rows_are_a_one_layer_step_minus_its_layer(profile):
-    """ms = step_ms - attention_ms - experts_ms, with the parts those sections measured at the same point (the
-    tiny step batches 1 and 4 are not expert token counts of the run: measured for the overhead section); a
-    prefill row's parts are its point's prefill attention and the prefill-phase experts of seqs x length."""
+def test_overhead_rows_are_steps_of_one_and_two_layers_beside_the_layer_timed_alone(profile):
+    """layer_ms = step2_ms - step_ms and ms = step_ms - layer_ms; the parts are what those sections measured at
+    the same point (the tiny step batches 1 and 4 are not expert token counts of the run: measured for the
+    overhead section); a prefill row's parts are its point's prefill attention and the prefill-phase experts of
+    seqs x length."""
     attention = {(r["batch"], r["context"]): r["ms"] for r in profile["attention"]}
     prefill = {(r["seqs"], r["length"]): r["ms"] for r in profile["prefill_attention"]}
     experts = {(r["phase"], r["tokens"]): r["ms"] for r in profile["experts"]}
     assert len(profile["overhead"]) == len(requested(profile["meta"]["args"])["overhead"])
     for row in profile["overhead"]:
-        assert row["ms"] == pytest.approx(row["step_ms"] - row["attention_ms"] - row["experts_ms"])
+        assert row["layer_ms"] == pytest.approx(row["step2_ms"] - row["step_ms"])
+        assert row["ms"] == pytest.approx(row["step_ms"] - row["layer_ms"])
         if row["phase"] == "prefill":
             assert row["attention_ms"] == prefill[row["batch"], row["context"]]
             assert row["experts_ms"] == experts["prefill", row["batch"] * row["context"]]

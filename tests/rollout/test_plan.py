@@ -36,7 +36,9 @@ from rollout.plan.profile import (
     analytic_times,
     fit_attention,
     fit_experts,
+    fit_in_step,
     fit_overhead,
+    in_step,
     nnls,
     parse_profile,
 )
@@ -401,10 +403,8 @@ def test_cli_rejects_a_wrong_profile(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"schema": "something-else/2"}))
     assert main(["--profile", str(bad)]) == 2
-    assert (
-        "schema='something-else/2'; expected one of ['rollout-profile/1', 'rollout-profile/2', 'rollout-profile/3']"
-        in capsys.readouterr().err
-    )
+    schemas = [f"rollout-profile/{v}" for v in (1, 2, 3, 4)]
+    assert f"schema='something-else/2'; expected one of {schemas}" in capsys.readouterr().err
     qwen = model_preset("qwen3-30b-a3b")
     doc = _profile_json(analytic_times(qwen, gpu_preset("h100")), qwen)
     del doc["attention"][2]["ms"]
@@ -638,6 +638,15 @@ def test_overhead_rows_parse_and_bad_ones_are_named():
     del doc["overhead"][1]["ms"]
     with pytest.raises(ValueError, match=r"overhead\[1\]"):
         parse_profile(doc, "x.json")
+    doc["overhead"][1]["ms"] = 0.5
+    doc["overhead"][1].update(layer_ms=0.2, attention_ms=0.1, experts_ms=0.15)  # /4: a two-layer step
+    assert parse_profile(doc, "x.json").overhead[1] == OverheadPoint(1, 4096, 0.5, "decode", 0.2, 0.25)
+    doc["overhead"][1]["layer_ms"] = float("nan")
+    with pytest.raises(ValueError, match=r"overhead\[1\] = .*layer_ms must be finite"):
+        parse_profile(doc, "x.json")
+    del doc["overhead"][1]["experts_ms"]
+    with pytest.raises(ValueError, match=r"overhead\[1\] = .*layer_ms without attention_ms, experts_ms"):
+        parse_profile(doc, "x.json")
 
 
 def test_the_overhead_enters_every_step_of_the_search():
@@ -662,13 +671,13 @@ DEC_ATTN = KernelFit(0.02, 4e-4, 1.5e-7, 0.0)  # x rows, s context
 PRE_ATTN = KernelFit(0.03, 1e-2, 2e-5, 1e-9)  # x prompts, s their length
 MOE_DECODE = KernelFit(0.05, 4e-3, 0.0, 0.0)  # x tiles of 16 rows
 MOE_PREFILL = KernelFit(0.06, 2e-2, 0.0, 0.0)  # x tiles of 128 rows
-PREFILL_OVERHEAD = FittedOverhead((0.1, 1e-2))  # a prefill step's fixed cost, per prompt
+PREFILL_OVERHEAD = FittedOverhead((0.1, 2e-5))  # a prefill step's fixed cost, per prompt token
 
 
 def _exact_v3_profile(model: ModelShape) -> dict:
     """A rollout-profile/3 document without noise, in the forms the shared planner fits (equation 2): decode and
-    prefill attention, expert passes of each phase in its own tiles, O(b), and steps of both phases of exactly
-    L (attention + MoE) + O(rows)."""
+    prefill attention, expert passes of each phase in its own tiles, O(b), O_p(n s), and steps of both phases of
+    exactly L (attention + MoE) + O(tokens)."""
     doc = _exact_profile(model, with_overhead=True)
     doc["schema"], doc["expert_kernel"] = "rollout-profile/3", "persistent"
     for r in doc["attention"]:
@@ -687,10 +696,10 @@ def _exact_v3_profile(model: ModelShape) -> dict:
     def prefill(n, s):
         return 4 * (
             PRE_ATTN.ms(n, s) + MOE_PREFILL.ms(moe_tiles(model, n * s, 128), 0)
-        ) + PREFILL_OVERHEAD.ms(n)
+        ) + PREFILL_OVERHEAD.ms(n * s)
 
     doc["overhead"] += [
-        {"phase": "prefill", "batch": n, "context": s, "ms": PREFILL_OVERHEAD.ms(n)}
+        {"phase": "prefill", "batch": n, "context": s, "ms": PREFILL_OVERHEAD.ms(n * s)}
         for n in (1, 4)
         for s in (512, 2048)
     ]
@@ -744,6 +753,88 @@ def test_shared_validation_on_one_gpu_is_exact_on_an_exact_profile(tmp_path, cap
     assert main(["--gpu", "h100", "--validate", str(prof), "--json", str(out)]) == 0
     assert [r["phase"] for r in json.loads(out.read_text())["rows"]] == ["decode"] * 6
     assert "O = 0.9000 + 2.00e-03 b ms per step" in capsys.readouterr().out  # the decode steps' overhead rows
+
+
+R_DECODE, R_PREFILL = 1.1, 0.75  # what a layer adds inside a step over its passes timed alone
+
+
+def _exact_v4_profile(model: ModelShape) -> dict:
+    """/4: the /3 document's passes timed alone; a layer adds r times them inside a step (a constant r per
+    phase, which keeps the scaled rows in equation 2's forms); overhead rows from steps of one and two layers
+    and steps of exactly O(tokens) + L r (attention + MoE)."""
+    doc = _exact_v3_profile(model)
+    doc["schema"] = "rollout-profile/4"
+
+    def parts(phase: str, b: int, c: int) -> tuple[float, float]:
+        if phase == "prefill":
+            return PRE_ATTN.ms(b, c), MOE_PREFILL.ms(moe_tiles(model, b * c, 128), 0)
+        return DEC_ATTN.ms(b, c), MOE_DECODE.ms(moe_tiles(model, b, 16), 0)
+
+    def step(phase: str, b: int, c: int, layers: int) -> float:
+        fixed = PREFILL_OVERHEAD.ms(b * c) if phase == "prefill" else OVERHEAD.ms(b)
+        return fixed + layers * (R_PREFILL if phase == "prefill" else R_DECODE) * sum(parts(phase, b, c))
+
+    for row in doc["steps"]:
+        row["step_ms"] = step(row["phase"], row["batch"], row["context"], row["num_layers"])
+    doc["overhead"] = []
+    for row in doc["steps"]:
+        point = (row.get("phase", "decode"), row["batch"], row["context"])
+        one, two = step(*point, 1), step(*point, 2)
+        doc["overhead"].append(
+            dict(zip(("phase", "batch", "context"), point), ms=2 * one - two, layer_ms=two - one, step_ms=one,
+                 step2_ms=two, attention_ms=parts(*point)[0], experts_ms=parts(*point)[1])
+        )  # fmt: skip
+    return doc
+
+
+def test_validate_scales_the_passes_by_what_a_layer_adds_inside_a_step(tmp_path, capsys):
+    qwen = model_preset("qwen3-30b-a3b")
+    doc = _exact_v4_profile(qwen)
+    prof, out = tmp_path / "v4.json", tmp_path / "check.json"
+    prof.write_text(json.dumps(doc))
+    argv = ["--arch", "shared", "--gpus", "1", "--gpu", "h100", "--validate", str(prof), "--json", str(out)]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 10 and all(abs(r["error"]) < 1e-6 for r in rows), rows
+    # read as /3 (the fixed cost a one-layer step minus its passes timed alone, no in-step ratio), the same
+    # steps come out r + 3 passes for 4 r: too slow where r < 1, too fast where r > 1
+    for row in doc["overhead"]:
+        row["ms"] = row.pop("step_ms") - row["attention_ms"] - row["experts_ms"]
+        del row["layer_ms"], row["step2_ms"]
+    doc["schema"] = "rollout-profile/3"
+    prof.write_text(json.dumps(doc))
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert all(r["error"] > 0.01 for r in rows if r["phase"] == "prefill"), rows
+    assert all(r["error"] < -0.005 for r in rows if r["phase"] == "decode"), rows
+
+
+def test_in_step_interpolates_the_ratio_in_log2_tokens_per_phase():
+    qwen = model_preset("qwen3-30b-a3b")
+    v3 = parse_profile(_exact_v3_profile(qwen), "v3")
+    assert in_step(v3) == v3  # no two-layer steps: the passes as timed
+    rows = (
+        OverheadPoint(1, 1024, 0.5, "decode", layer_ms=1.2, parts_ms=1.0),
+        OverheadPoint(1, 4096, 0.5, "decode", layer_ms=1.0, parts_ms=1.0),  # same tokens: r = mean 1.1
+        OverheadPoint(64, 1024, 0.5, "decode", layer_ms=1.8, parts_ms=2.0),
+        OverheadPoint(8, 1024, 0.5, "decode", layer_ms=-0.1, parts_ms=1.0),  # below the noise: no ratio
+        OverheadPoint(1, 512, 0.5, "prefill", layer_ms=0.3, parts_ms=0.6),
+        OverheadPoint(4, 2048, 0.5, "prefill", layer_ms=2.0, parts_ms=2.0),
+    )
+    decode = fit_in_step(tuple(p for p in rows if p.phase == "decode"))
+    assert [decode.at(t) for t in (0.5, 1, 8, 64, 1000)] == pytest.approx([1.1, 1.1, 1.0, 0.9, 0.9])
+    prefill = fit_in_step(tuple(p for p in rows if p.phase == "prefill"))
+    assert [prefill.at(t) for t in (100, 512, 2048, 8192, 1e5)] == pytest.approx([0.5, 0.5, 0.75, 1, 1])
+    assert fit_in_step(rows[:1] + (OverheadPoint(4, 64, 0.5),)) is not None
+    assert fit_in_step((OverheadPoint(4, 64, 0.5), rows[3])) is None
+    scaled = in_step(replace(v3, overhead=rows))
+    for old, new in zip(v3.attention, scaled.attention):
+        assert new.ms == pytest.approx(old.ms * decode.at(old.batch))
+    for old, new in zip(v3.prefill_attention, scaled.prefill_attention):
+        assert new.ms == pytest.approx(old.ms * prefill.at(old.seqs * old.length))
+    for old, new in zip(v3.experts, scaled.experts):
+        assert new.ms == pytest.approx(old.ms * (decode if old.phase == "decode" else prefill).at(old.tokens))
+    assert scaled.steps == v3.steps and scaled.overhead == rows
 
 
 def test_shared_kernels_fit_each_phase_from_its_own_rows():

@@ -51,19 +51,34 @@ except BaseException as err:
 """
 
 
-def _join(address: str, env: dict, timeout: float) -> str:
-    """What a separate process gets when it tries to join the cluster: 'joined', 'refused ...' or '' when it is
-    still waiting at the timeout (Ray retries an unauthenticated connection instead of failing)."""
+def _joins(address: str, envs_and_timeouts: list[tuple[dict, float]]) -> list[str]:
+    """What separate processes, started together, get when each tries to join the cluster with its environment:
+    'joined', 'refused ...' or '' when it is still waiting at its timeout, counted from the start (Ray retries
+    an unauthenticated connection instead of failing)."""
     import subprocess
     import sys
+    import time
 
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", JOIN, address], env=env, capture_output=True, text=True, timeout=timeout
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", JOIN, address],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
         )
-    except subprocess.TimeoutExpired:
-        return ""
-    return done.stdout.strip()
+        for env, _ in envs_and_timeouts
+    ]
+    out = []
+    for proc, (_, timeout) in zip(procs, envs_and_timeouts):
+        try:
+            out.append(proc.communicate(timeout=max(0.0, start + timeout - time.monotonic()))[0].strip())
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            out.append("")
+    return out
 
 
 @pytest.mark.dist
@@ -79,8 +94,13 @@ def test_local_cluster_admits_only_holders_of_its_token(monkeypatch):
         address = ray.get_runtime_context().gcs_address
         assert ray.get(ray.remote(lambda: os.environ.get("RAY_AUTH_MODE")).remote()) == "token"
         outsider = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-        assert not _join(address, outsider | {"RAY_AUTH_MODE": "disabled"}, timeout=15).startswith("joined")
-        assert not _join(
-            address, outsider | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}, 15
-        ).startswith("joined")
-        assert _join(address, dict(os.environ), timeout=60) == "joined"  # the same token: admitted
+        no_token, wrong_token, same_token = _joins(
+            address,
+            [
+                (outsider | {"RAY_AUTH_MODE": "disabled"}, 15),
+                (outsider | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}, 15),
+                (dict(os.environ), 60),
+            ],
+        )
+        assert not no_token.startswith("joined") and not wrong_token.startswith("joined")
+        assert same_token == "joined"  # the same token: admitted
