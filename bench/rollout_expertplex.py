@@ -323,14 +323,12 @@ def section_arrival(layer: Layer, args) -> dict:
     for mode in ARRIVAL_MODES:
         graphs = arrival_graphs(layer, prefill, decode, mode, programs, args)
         samples = [arrival_once(graphs, streams, args) for _ in range(args.repeats)]
-        decode_us = statistics.median(s[0] for s in samples)
-        prefill_us = statistics.median(s[1] for s in samples)
+        med = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
         suffix = "" if mode == "streams" else "_persistent"
         out[mode] = {
-            "decode_us": decode_us,
-            "prefill_us": prefill_us,
-            "decode_slowdown": decode_us / alone[f"decode{suffix}_us"],
-            "prefill_slowdown": prefill_us / alone[f"prefill{suffix}_us"],
+            **med,
+            "decode_slowdown": med["decode_us"] / alone[f"decode{suffix}_us"],
+            "prefill_slowdown": med["prefill_us"] / alone[f"prefill{suffix}_us"],
         }
         print(mode, out[mode], flush=True)
     return out
@@ -375,16 +373,19 @@ def arrival_graphs(layer: Layer, prefill: dict, decode: dict, mode: str, program
     return graphs
 
 
-def arrival_once(graphs: dict, streams: tuple, args) -> tuple[float, float]:
-    """(decode latency, prefill completion) in microseconds: the prefill replay starts on the low-priority
-    stream, the decode replay `--arrival-delay-us` later on the high-priority one; the resume (persistent mode)
-    follows both on the low one."""
+def arrival_once(graphs: dict, streams: tuple, args) -> dict[str, float]:
+    """Microseconds: decode_us (the decode pass's latency) and prefill_us (the prefill pass to its end) of one
+    arrival, and where the prefill's time went: first_us (its replay up to the preemption: phase A stops, phase
+    B does the tiles A finished), then, in the persistent mode, resume_us (the left tiles, after the decode).
+    The prefill replay starts on the low-priority stream, the decode replay `--arrival-delay-us` later on the
+    high-priority one; the resume follows both on the low one."""
     low, high = streams
-    events = {k: torch.cuda.Event(enable_timing=True) for k in ("p0", "p1", "d0", "d1")}
+    events = {k: torch.cuda.Event(enable_timing=True) for k in ("p0", "p_first", "r0", "p1", "d0", "d1")}
     torch.cuda.synchronize()
     with torch.cuda.stream(low):
         events["p0"].record()
         graphs["prefill"]()
+        events["p_first"].record()
     time.sleep(args.arrival_delay_us * 1e-6)
     with torch.cuda.stream(high):
         events["d0"].record()
@@ -392,11 +393,18 @@ def arrival_once(graphs: dict, streams: tuple, args) -> tuple[float, float]:
         events["d1"].record()
     low.wait_stream(high)
     with torch.cuda.stream(low):
+        events["r0"].record()
         if "resume" in graphs:
             graphs["resume"]()
         events["p1"].record()
     torch.cuda.synchronize()
-    return events["d0"].elapsed_time(events["d1"]) * 1e3, events["p0"].elapsed_time(events["p1"]) * 1e3
+    us = {
+        "decode_us": ("d0", "d1"),
+        "prefill_us": ("p0", "p1"),
+        "first_us": ("p0", "p_first"),
+        "resume_us": ("r0", "p1"),
+    }
+    return {name: events[a].elapsed_time(events[b]) * 1e3 for name, (a, b) in us.items()}
 
 
 # --------------------------------------------------------------------------------------------- CLI

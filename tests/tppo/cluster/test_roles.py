@@ -21,7 +21,7 @@ from tppo.engine.batch import LossOutput
 from tppo.engine.config import ParallelConfig
 from tppo.loop.balance import loads_from_batches, loads_from_ranks
 
-pytestmark = [pytest.mark.dist]
+pytestmark = [pytest.mark.dist, pytest.mark.usefixtures("ray_instance")]
 
 
 class _Fragile:

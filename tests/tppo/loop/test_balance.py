@@ -95,7 +95,7 @@ def test_loads_count_real_pairs_and_spread_padding_evenly(aligned):
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_policy_update_applies_the_plan_and_matches_the_static_update(tmp_path: Path):
+def test_policy_update_applies_the_plan_and_matches_the_static_update(tmp_path: Path, ray_instance):
     """The executor's measured pairs-per-rank skew equals the simulator's skew of the plan on the same loads, and
     the update under the plan gives the same model as the update under the static placement."""
     cfg = ExperimentConfig()
@@ -140,7 +140,7 @@ def test_policy_update_applies_the_plan_and_matches_the_static_update(tmp_path: 
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_mini_batch_epochs_under_the_plan_equal_a_plain_loop_of_static_updates(tmp_path: Path):
+def test_mini_batch_epochs_under_the_plan_equal_a_plain_loop_of_static_updates(tmp_path: Path, ray_instance):
     """algo.mini_batches=2 x algo.epochs=2 in one call, the step's plan sliced to each optimizer step's
     micro-batches (in the shuffled order), gives the same model as a plain loop of single-step updates over the
     same shuffled micro-batches under the static placement."""
