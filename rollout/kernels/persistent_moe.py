@@ -33,8 +33,8 @@ come first in both. Each is a [M, BLOCK_N] fp32 accumulator over the reduction (
 loads and stores are in the input dtype. The grid is fixed (PROGRAMS_PER_SM programs per SM; `num_programs`),
 sized without reading the device, and program i walks items w = i, i + P, i + 2P, ... while w < (total tiles) NB,
 the total read from device memory. Nothing accumulates across programs: a third launch (the combine) computes
-out_t = residual_t + sum_k w[t, k] y_(t,k) in fp32, k in order, rounded once, one program per (token, column block),
-so results do not depend on the schedule; it reads y_RH once, where the same formula in torch ops moves a [T, K, H]
+out_t = residual_t + sum_k w[t, k] y_(t,k) in fp32, k in order, rounded once, for its tokens and column block
+(program i takes tokens i, i + P', ...), so results do not depend on the schedule; it reads y_RH once, where the same formula in torch ops moves a [T, K, H]
 fp32 copy through memory four times (~2.6 GB at 8192 tokens: ~0.8 ms at an H100's bandwidth, by arithmetic).
 Weight tiles are read with per-thread loads, or with `tma=True` through TMA descriptors (Hopper's bulk copies).
 
@@ -46,8 +46,11 @@ blocks of its tile's A items are done (were the flag cleared between A and B, B 
 A did not write: it leaves that tile undone). `MoeRun.undone` (int32 on the device) counts the prefill tiles whose
 B items are not all done. Passing that run as `resume` relaunches both phases over the same tiles and buffers,
 skipping done items: a launch with the flag plus its resume give the same output, bit for bit, as one launch
-without it (every item computes the same numbers whichever program runs it, whenever). The output's prefill rows
-of a preempted run hold residual + the pairs done so far (undone pairs contribute 0) until resumed.
+without it (every item computes the same numbers whichever program runs it, whenever). A preempted run's combine
+writes the decode rows only: its prefill rows are left as the output buffer held them until a resume completes
+them. So a decode pass arriving on another stream does not wait behind a whole combine of the prefill tokens
+(the GPU hands SMs to the higher-priority stream only as the running blocks end), nor does the prefill pay it
+twice.
 
 Everything is graph-capturable: grids and buffer sizes come from shapes and Python ints, counts are read on the
 device, and a preempted run's done masks and buffers are device tensors a later captured launch can resume.
@@ -607,6 +610,9 @@ if triton is not None:
         w_ptr,
         res_ptr,
         out_ptr,
+        undone_ptr,
+        T,
+        num_decode,
         H,
         TOP_K,
         stride_yr,
@@ -616,26 +622,33 @@ if triton is not None:
         stride_rh,
         stride_ot,
         BLOCK_H: tl.constexpr,
+        SKIP: tl.constexpr,
     ):
-        """out[t, n] = residual[t, n] + sum_k w[t, k] y[t K + k, n] for the program's token t and column block:
-        the products and their sum in fp32, k = 0, 1, ... in order, rounded once to out's dtype."""
-        t = tl.program_id(0).to(tl.int64)
+        """out[t, n] = residual[t, n] + sum_k w[t, k] y[t K + k, n] for the program's tokens t (program_id(0) on,
+        one grid stride apart) and column block: the products and their sum in fp32, k = 0, 1, ... in order,
+        rounded once to out's dtype. With SKIP, tokens from num_decode on only when *undone_ptr is 0."""
+        if SKIP:  # compiled branch-free: T or num_decode may be specialised to a constant (1)
+            end = T - (tl.load(undone_ptr) != 0).to(tl.int32) * (T - num_decode)
+        else:
+            end = T
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = offs_h < H
-        mixed_H = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for k in range(TOP_K):
-            w = tl.load(w_ptr + t * stride_wt + k * stride_wk)
-            y_H = tl.load(y_ptr + (t * TOP_K + k) * stride_yr + offs_h, mask=h_ok, other=0.0)
-            mixed_H += w * y_H.to(tl.float32)
-        res_H = tl.load(res_ptr + t * stride_rt + offs_h * stride_rh, mask=h_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * stride_ot + offs_h, (res_H + mixed_H).to(out_ptr.dtype.element_ty), mask=h_ok)
+        for t in range(tl.program_id(0).to(tl.int64), end, tl.num_programs(0)):  # an int64 loop: t K H
+            mixed_H = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for k in range(TOP_K):
+                w = tl.load(w_ptr + t * stride_wt + k * stride_wk)
+                y_H = tl.load(y_ptr + (t * TOP_K + k) * stride_yr + offs_h, mask=h_ok, other=0.0)
+                mixed_H += w * y_H.to(tl.float32)
+            res_H = tl.load(res_ptr + t * stride_rt + offs_h * stride_rh, mask=h_ok, other=0.0).to(tl.float32)
+            out_H = (res_H + mixed_H).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + t * stride_ot + offs_h, out_H, mask=h_ok)
 
 
 # ------------------------------------------------------------------------------------------------- wrapper
 class MoeRun(NamedTuple):
     """One launch's output and everything a resume needs (device tensors)."""
 
-    out_TH: torch.Tensor  # residual + the k-sum, residual's dtype (prefill rows partial if preempted)
+    out_TH: torch.Tensor  # residual + the k-sum, residual's dtype (prefill rows unwritten while undone)
     tiles: TileTable
     act_RF: torch.Tensor  # SwiGLU outputs in sorted order, the input dtype (rows of undone tiles undefined)
     y_RH: torch.Tensor  # per-pair expert outputs in token order, the input dtype (0 where not computed)
@@ -885,21 +898,38 @@ def _check_tma(gate_up_EFH: torch.Tensor, down_EHF: torch.Tensor) -> None:
 
 
 COMBINE_BLOCK_H = 1024  # columns per combine program: 8 x 2 KB rows of y in flight at K = 8, bf16
+COMBINE_PROGRAMS_PER_SM = 8  # token programs of the combine per SM (each walks its tokens a grid apart)
 
 
-def _combine(residual_TH: torch.Tensor, weights_TK: torch.Tensor, y_RH: torch.Tensor) -> torch.Tensor:
-    """residual + sum_k w_tk y_(t,k) (`_combine_kernel`: fp32, k in order, rounded once), a new tensor."""
+def _combine(
+    residual_TH: torch.Tensor,
+    weights_TK: torch.Tensor,
+    y_RH: torch.Tensor,
+    undone: torch.Tensor | None = None,
+    num_decode: int = 0,
+    out_TH: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """residual + sum_k w_tk y_(t,k) (`_combine_kernel`: fp32, k in order, rounded once) into out_TH (a new
+    tensor when None). With `undone` (an int32 scalar on the device), rows from num_decode on are written only
+    where it is 0: a preempted run's prefill rows wait for its resume."""
     t, k = weights_TK.shape
     h = residual_TH.shape[1]
-    out_TH = torch.empty((t, h), dtype=residual_TH.dtype, device=residual_TH.device)
+    if out_TH is None:
+        out_TH = torch.empty((t, h), dtype=residual_TH.dtype, device=residual_TH.device)
     if t == 0:
         return out_TH
     block_h = min(COMBINE_BLOCK_H, triton.next_power_of_2(h))
-    _combine_kernel[(t, triton.cdiv(h, block_h))](
+    on_gpu = residual_TH.device.type == "cuda"
+    sms = _num_sms(residual_TH.device.index or 0) if on_gpu else 0
+    programs = min(t, COMBINE_PROGRAMS_PER_SM * sms if on_gpu else INTERPRETER_PROGRAMS)
+    _combine_kernel[(programs, triton.cdiv(h, block_h))](
         y_RH,
         weights_TK,
         residual_TH,
         out_TH,
+        undone if undone is not None else weights_TK,  # unread without SKIP
+        t,
+        num_decode,
         h,
         k,
         y_RH.stride(0),
@@ -907,6 +937,7 @@ def _combine(residual_TH: torch.Tensor, weights_TK: torch.Tensor, y_RH: torch.Te
         *residual_TH.stride(),
         out_TH.stride(0),
         BLOCK_H=block_h,
+        SKIP=undone is not None,
     )
     return out_TH
 
@@ -926,8 +957,8 @@ def _new_run(
     tiles = build_tiles(ids_TK, num_decode, num_experts, block_m_decode, block_m_prefill)
     r, h, q = tiles.order_R.shape[0], h_TH.shape[1], tiles.rows_Q.shape[0]
     act_RF = torch.empty((r, f), dtype=h_TH.dtype, device=h_TH.device)
-    # a tracked run may leave pairs undone: zeros make them contribute nothing instead of stale memory
-    y_RH = (torch.zeros if track else torch.empty)((r, h), dtype=h_TH.dtype, device=h_TH.device)
+    # a tracked run may leave prefill pairs undone: the combine then reads no prefill row (MoeRun.undone)
+    y_RH = torch.empty((r, h), dtype=h_TH.dtype, device=h_TH.device)
     done_a_W = done_b_W = None
     if track:
         done_a_W = torch.zeros(q * triton.cdiv(f, block_n), dtype=torch.int32, device=h_TH.device)
@@ -1023,7 +1054,9 @@ def persistent_moe_run(
     launch = {"num_warps": num_warps, "num_stages": num_stages}
     _launch_gate_up(run, h_TH, gate_up_EFH, preempt_flag, num_programs, launch)
     _launch_down(run, down_EHF, preempt_flag, num_programs, launch)
-    return run._replace(out_TH=_combine(residual_TH, weights_TK, run.y_RH), undone=_undone_tiles(run))
+    undone = _undone_tiles(run)
+    skip = undone if run.done_b_W is not None else None  # a tracked run may stop before its prefill rows
+    return run._replace(out_TH=_combine(residual_TH, weights_TK, run.y_RH, skip, num_decode), undone=undone)
 
 
 def persistent_moe(
@@ -1046,7 +1079,7 @@ def persistent_moe(
     tma: bool = TMA,
 ) -> torch.Tensor:
     """out_TH = residual + sum_k w_tk y_(t,k) (residual's dtype): `persistent_moe_run(...).out_TH`. With a flag
-    set, prefill rows hold partial sums; call `persistent_moe_run` to keep the run and resume it."""
+    set, prefill rows are not written; call `persistent_moe_run` to keep the run and resume it."""
     return persistent_moe_run(
         h_TH,
         weights_TK,

@@ -25,9 +25,10 @@ import pytest
 import torch
 from rollout_testlib import interpreter_results
 
-from rollout.kernels.persistent_moe import (  # private helpers: the per-phase launches, for one test
+from rollout.kernels.persistent_moe import (  # private helpers: the per-phase launches and the combine
     MoeRun,
     OutOfResources,
+    _combine,
     _interpreted,
     _launch_down,
     _launch_fitting,
@@ -388,7 +389,6 @@ def preempt_before_launch(spec: dict, device: str) -> dict:
     nb_a, nb_b = _items(run)
     out = {
         "decode_err": rel_err(run.out_TH[:nd], want_TH[:nd]),
-        "prefill_is_residual": torch.equal(run.out_TH[nd:], inputs["residual_TH"][nd:]),
         "undone": int(run.undone),
         "prefill_tiles": pre,
         "decode_items_done": bool(run.done_a_W[: dec * nb_a].all() and run.done_b_W[: dec * nb_b].all()),
@@ -396,7 +396,7 @@ def preempt_before_launch(spec: dict, device: str) -> dict:
     }
     # a resume updates the run's buffers and masks in place: read them before each next launch
     again = persistent_moe_run(**inputs, num_decode=nd, preempt_flag=flag, resume=run, **blocks)
-    out["reflagged_unchanged"] = torch.equal(again.out_TH, run.out_TH) and int(again.undone) == pre
+    out["reflagged_unchanged"] = torch.equal(again.out_TH[:nd], run.out_TH[:nd]) and int(again.undone) == pre
     done = persistent_moe_run(**inputs, num_decode=nd, resume=again, num_programs=3)
     out["resumed_equals_full"] = torch.equal(done.out_TH, full_TH)
     out["resumed_undone"] = int(done.undone)
@@ -451,6 +451,7 @@ def flag_cleared_between_phases(spec: dict, device: str) -> dict:
     dec, pre = tile_counts(run.tiles).tolist()
     nb_a, _ = _items(run)
     run.act_RF[nd * s["K"] :] = float("nan")  # the prefill pairs' rows: phase A has written none yet
+    run.y_RH[nd * s["K"] :] = 0.0  # uninitialised until written: y_finite then sees only what phase B wrote
     last_a = (dec + 2) * nb_a - 1
     _launch_gate_up(run, inputs["h_TH"], inputs["gate_up_EFH"], run.done_a_W[last_a : last_a + 1], 1)
     _launch_down(run, inputs["down_EHF"], flag.zero_(), 4)
@@ -462,6 +463,32 @@ def flag_cleared_between_phases(spec: dict, device: str) -> dict:
     run = persistent_moe_run(**inputs, num_decode=nd, resume=run)
     out["resumed_equals_full"] = torch.equal(run.out_TH, full_TH)
     return out
+
+
+def combine_case(device: str) -> dict:
+    """The combine alone (7 tokens over more than one grid stride), into a NaN-filled output: with undone = 0
+    every row, with undone > 0 only the first num_decode rows, each residual + sum_k w y; the rest keep NaN."""
+    g = torch.Generator().manual_seed(0)
+    t, k, h, nd = 7, 3, 40, 3
+    y_RH, w_TK, res_TH = (
+        torch.randn(*shape, generator=g).to(device) for shape in ((t * k, h), (t, k), (t, h))
+    )
+    want_TH = res_TH + (w_TK[:, :, None] * y_RH.view(t, k, h)).sum(1)
+    out = {}
+    for undone in (0, 2):
+        flag = torch.tensor(undone, dtype=torch.int32, device=device)
+        nan_TH = torch.full((t, h), float("nan"), device=device)
+        got_TH = _combine(res_TH, w_TK, y_RH, flag, nd, out_TH=nan_TH)
+        out[f"undone{undone}_decode_err"] = rel_err(got_TH[:nd], want_TH[:nd])
+        out[f"undone{undone}_prefill_err"] = rel_err(got_TH[nd:], want_TH[nd:]) if undone == 0 else None
+        out[f"undone{undone}_prefill_nan"] = bool(got_TH[nd:].isnan().all())
+    return out
+
+
+def check_combine(result: dict) -> None:
+    assert result["undone0_decode_err"] <= 1e-6 and result["undone0_prefill_err"] <= 1e-6, result
+    assert not result["undone0_prefill_nan"], result
+    assert result["undone2_decode_err"] <= 1e-6 and result["undone2_prefill_nan"], result
 
 
 # the tables of test_tile_table (checked against numpy there) and Qwen3-30B-A3B's 128 experts top-8
@@ -493,6 +520,7 @@ TMA_CASES = ("decode-only", "prefill-only", "mixed", "hot-expert-prefill", "one-
 
 def run_all(device: str) -> dict[str, dict]:
     results = {f"kernel/{name}": kernel_case(spec, device) for name, spec in KERNEL_CASES.items()}
+    results["combine"] = combine_case(device)
     for name, (spec, block_m) in KERNEL_TABLE_CASES.items():
         results[f"table/{name}"] = table_case(spec, block_m, device)
     if tma_runs_on(device):
@@ -519,7 +547,6 @@ def check_kernel(result: dict, spec: dict) -> None:
 
 def check_preempt_before(result: dict) -> None:
     assert result["decode_err"] <= 1e-5, result
-    assert result["prefill_is_residual"], result
     assert result["undone"] == result["prefill_tiles"], result
     assert result["decode_items_done"] and result["prefill_items_done"] == 0, result
     assert result["reflagged_unchanged"], result
@@ -569,6 +596,10 @@ def test_interpreted_preempt_before_launch_then_resume(interpreted, name):
 def test_interpreted_preempt_mid_launch_then_resume(interpreted, name):
     check_preempt_mid(interpreted[f"preempt-mid/{name}"], exact=True)
     check_flag_cleared(interpreted[f"flag-cleared/{name}"], exact=True)
+
+
+def test_interpreted_combine_leaves_a_preempted_runs_prefill_rows(interpreted):
+    check_combine(interpreted["combine"])
 
 
 def check_table(results: dict) -> None:
@@ -624,6 +655,7 @@ def test_compiled_cases_on_cuda():
         check_preempt_mid(results[f"preempt-mid/{name}"], exact=False)
         check_flag_cleared(results[f"flag-cleared/{name}"], exact=False)
     check_table(results)
+    check_combine(results["combine"])
     if tma_runs_on("cuda"):
         check_tma(results, exact=False)
 
@@ -642,8 +674,8 @@ def test_compiled_bf16_step_of_realistic_shape():
 @needs_cuda
 def test_captured_launch_reads_routing_and_flag_from_the_device():
     """One captured graph (tiles, both phases, the combine), replayed after new routing was copied into its input
-    tensors: with the flag down it equals the reference, with the flag up the decode rows do and every prefill
-    tile is reported undone."""
+    tensors: with the flag down it equals the reference, with the flag up the decode rows do, every prefill
+    tile is reported undone and the prefill rows keep what the last replay wrote."""
     inputs = make_inputs(REALISTIC, "cuda")
     nd = REALISTIC["num_decode"]
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -659,12 +691,14 @@ def test_captured_launch_reads_routing_and_flag_from_the_device():
     graph.replay()
     want_TH = fp32_reference(inputs)
     assert rel_err(run.out_TH.float(), want_TH) <= 2e-2 and int(run.undone) == 0
+    before_TH = run.out_TH.clone()
+    run.out_TH[:nd] = float("nan")
     flag.fill_(1)
     graph.replay()
     pre = int(tile_counts(run.tiles)[1])
     assert pre > 0 and int(run.undone) == pre
     assert rel_err(run.out_TH[:nd].float(), want_TH[:nd]) <= 2e-2
-    assert torch.equal(run.out_TH[nd:], inputs["residual_TH"][nd:])
+    assert torch.equal(run.out_TH[nd:], before_TH[nd:])
 
 
 @pytest.mark.gpu
