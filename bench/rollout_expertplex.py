@@ -44,7 +44,12 @@ time, each over its time alone:
 - coresident: both passes persistent, each launched with `--arrival-programs-per-sm` programs per SM (1: half the
   default grid) and no flag, so the GPU can place the decode pass's programs beside the running prefill
   programs on the same SMs: decode reads weights (memory-bound) while prefill multiplies (compute-bound), the
-  overlap ExpertPlex's kernel gets from one launch. Slowdowns are over each pass alone at the default grid.
+  overlap ExpertPlex's kernel gets from one launch.
+- split: as persistent, but only the first `--arrival-heeding` of the prefill's programs (a fraction of the
+  default grid; 0.5: one of the two per SM) heed the flag, and the decode pass runs on that many programs in the
+  slots they leave while the others go on with prefill items: the GPU split in space, where a whole stop runs the
+  two passes one after the other (the prefill then slows by at least the decode pass's time over its own).
+Slowdowns are over each pass alone at the default grid.
 """
 
 from __future__ import annotations
@@ -71,7 +76,13 @@ from rollout_decode import QWEN3_30B_A3B, TINY, add_bandwidth_arg, int_list, med
 
 from rollout import RolloutEngine
 from rollout.config import RolloutConfig
-from rollout.kernels.persistent_moe import MoeRun, moe_reference, persistent_moe_run, tma_runs_on
+from rollout.kernels.persistent_moe import (
+    PROGRAMS_PER_SM,
+    MoeRun,
+    moe_reference,
+    persistent_moe_run,
+    tma_runs_on,
+)
 from rollout.model import no_padding, padded_capacity
 
 TINY_MOE = dict(TINY, num_hidden_layers=1, hidden_size=64, num_experts=8, num_experts_per_tok=2)
@@ -334,7 +345,7 @@ def section_arrival(layer: Layer, args) -> dict:
     return out
 
 
-ARRIVAL_MODES = ("streams", "persistent", "coresident")
+ARRIVAL_MODES = ("streams", "persistent", "coresident", "split")
 
 
 def arrival_graphs(layer: Layer, prefill: dict, decode: dict, mode: str, programs: int, args) -> dict:
@@ -355,13 +366,18 @@ def arrival_graphs(layer: Layer, prefill: dict, decode: dict, mode: str, program
         }
     flag = torch.zeros(1, dtype=torch.int32, device=layer.device)
     captured: list[MoeRun] = []
+    heeding, decode_grid = None, {}
+    if mode == "split":
+        sms = torch.cuda.get_device_properties(layer.device).multi_processor_count
+        heeding = max(1, round(args.arrival_heeding * PROGRAMS_PER_SM * sms))
+        decode_grid = {"num_programs": heeding}
 
     def prefill_pass() -> None:
-        captured.append(layer.persistent(prefill, 0, preempt_flag=flag))
+        captured.append(layer.persistent(prefill, 0, preempt_flag=flag, heeding=heeding))
 
     def decode_pass() -> None:
         flag.fill_(1)
-        layer.run("persistent", decode, nd)
+        layer.persistent(decode, nd, **decode_grid)
         flag.fill_(0)
 
     graphs = {"prefill": graphed(prefill_pass, layer.device, eager=False)}
@@ -425,6 +441,12 @@ def main() -> None:
         type=int,
         default=1,
         help="each pass's grid in the coresident arrival mode",
+    )
+    ap.add_argument(
+        "--arrival-heeding",
+        type=float,
+        default=0.5,
+        help="split arrival mode: the fraction of the prefill's default grid that yields to the decode pass",
     )
     ap.add_argument("--sections", type=lambda s: s.split(","), default=["paths", "mixed", "sweep", "arrival"])
     ap.add_argument(
@@ -517,12 +539,15 @@ def print_tables(results: dict) -> None:
             )
     arrival = results.get("arrival", {})
     if "streams" in arrival:
-        print("\n| scheduling | decode latency us (x alone) | prefill us (x alone) |\n|---|---|---|")
+        print(
+            "\n| scheduling | decode latency us (x alone) | prefill us (x alone) | prefill: first launch, resume us |"
+        )
+        print("|---|---|---|---|")
         for mode in (m for m in ARRIVAL_MODES if m in arrival):
             a = arrival[mode]
             print(
                 f"| {mode} | {a['decode_us']:.0f} ({a['decode_slowdown']:.2f}x) | "
-                f"{a['prefill_us']:.0f} ({a['prefill_slowdown']:.2f}x) |"
+                f"{a['prefill_us']:.0f} ({a['prefill_slowdown']:.2f}x) | {a['first_us']:.0f}, {a['resume_us']:.0f} |"
             )
     elif arrival:
         print(f"\narrival: {arrival}")

@@ -50,7 +50,8 @@ without it (every item computes the same numbers whichever program runs it, when
 writes the decode rows only: its prefill rows are left as the output buffer held them until a resume completes
 them. So a decode pass arriving on another stream does not wait behind a whole combine of the prefill tokens
 (the GPU hands SMs to the higher-priority stream only as the running blocks end), nor does the prefill pay it
-twice.
+twice. With `heeding`, only the grid's first programs heed the flag: the others keep taking prefill items while
+the arriving pass runs in the slots the first ones leave.
 
 Everything is graph-capturable: grids and buffer sizes come from shapes and Python ints, counts are read on the
 device, and a preempted run's done masks and buffers are device tensors a later captured launch can resume.
@@ -352,14 +353,14 @@ if triton is not None:
         return run
 
     @triton.jit
-    def _seen_flag(w, dec_items, stopped, flag_ptr, HAS_FLAG: tl.constexpr):
+    def _seen_flag(w, dec_items, stopped, flag_ptr, heeds, HAS_FLAG: tl.constexpr):
         """The program's sticky stop bit, updated from the flag read before item w (prefill items, until it is
-        set). The read is a scalar atomic x + 0 (relaxed): one thread reads the flag where every SM sees the same
+        set; only in a program that `heeds` it: the others run on through a preemption). The read is a scalar atomic x + 0 (relaxed): one thread reads the flag where every SM sees the same
         value (Triton lowers it to a single-thread relaxed load) and broadcasts it through shared memory, so all
         threads of the program agree even while the flag changes; a plain load by every thread could split them
         around a write, and a split program deadlocks in its dot."""
         if HAS_FLAG:  # noqa: SIM102 - a constexpr test, then a runtime one (Triton mixes no `and` of the two)
-            if (w >= dec_items) & (stopped == 0):
+            if (w >= dec_items) & (stopped == 0) & heeds:
                 stopped = (tl.atomic_add(flag_ptr, 0, sem="relaxed") != 0).to(tl.int32)
         return stopped
 
@@ -488,6 +489,7 @@ if triton is not None:
         rows_ptr,
         ends_ptr,
         flag_ptr,
+        yield_below,
         done_ptr,
         H,
         F,
@@ -513,7 +515,7 @@ if triton is not None:
         num_items = tl.load(ends_ptr + 1) * num_col_blocks
         stopped = pid * 0
         for w in range(pid, num_items, tl.num_programs(0)):
-            stopped = _seen_flag(w, dec_items, stopped, flag_ptr, HAS_FLAG)
+            stopped = _seen_flag(w, dec_items, stopped, flag_ptr, pid < yield_below, HAS_FLAG)
             run = _item_runs(w, dec_items, stopped, done_ptr, TRACK)
             if run:
                 q = w // num_col_blocks
@@ -547,6 +549,7 @@ if triton is not None:
         rows_ptr,
         ends_ptr,
         flag_ptr,
+        yield_below,
         done_ptr,
         done_a_ptr,
         H,
@@ -576,7 +579,7 @@ if triton is not None:
         offs_a = tl.arange(0, BLOCK_NB_A)
         stopped = pid * 0
         for w in range(pid, num_items, tl.num_programs(0)):
-            stopped = _seen_flag(w, dec_items, stopped, flag_ptr, HAS_FLAG)
+            stopped = _seen_flag(w, dec_items, stopped, flag_ptr, pid < yield_below, HAS_FLAG)
             q = w // num_col_blocks
             run = _item_runs(w, dec_items, stopped, done_ptr, TRACK)
             if HAS_FLAG:
@@ -787,10 +790,10 @@ def _launch_fitting(kernel, programs: int, *args, options: dict) -> None:
         return
 
 
-def _table_args(run: MoeRun, preempt_flag: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+def _table_args(run: MoeRun, preempt_flag: torch.Tensor | None, yield_below: int) -> tuple:
     t = run.tiles
     flag = preempt_flag if preempt_flag is not None else t.ends_2  # never read without HAS_FLAG
-    return t.order_R, t.expert_Q, t.start_Q, t.rows_Q, t.ends_2, flag
+    return t.order_R, t.expert_Q, t.start_Q, t.rows_Q, t.ends_2, flag, yield_below
 
 
 def _launch_gate_up(
@@ -800,8 +803,10 @@ def _launch_gate_up(
     preempt_flag: torch.Tensor | None,
     programs: int,
     launch: dict = LAUNCH,
+    heeding: int | None = None,
 ) -> None:
-    """Phase A over the run's tiles: act_RF (and done_a_W when tracked)."""
+    """Phase A over the run's tiles: act_RF (and done_a_W when tracked); programs below `heeding` (all when
+    None) heed the flag."""
     h, f = h_TH.shape[1], run.act_RF.shape[1]
     items = run.tiles.rows_Q.shape[0] * triton.cdiv(f, run.block_n)
     if not items:
@@ -813,7 +818,7 @@ def _launch_gate_up(
         h_TH,
         _weight_operand(gate_up_EFH, run),
         run.act_RF,
-        *_table_args(run, preempt_flag),
+        *_table_args(run, preempt_flag, programs if heeding is None else heeding),
         done,
         h,
         f,
@@ -832,9 +837,10 @@ def _launch_down(
     preempt_flag: torch.Tensor | None,
     programs: int,
     launch: dict = LAUNCH,
+    heeding: int | None = None,
 ) -> None:
     """Phase B over the run's tiles: y_RH (and done_b_W when tracked). With a flag, a tile's items wait for all
-    of its phase-A items."""
+    of its phase-A items; programs below `heeding` (all when None) heed it."""
     h, f = run.y_RH.shape[1], run.act_RF.shape[1]
     items = run.tiles.rows_Q.shape[0] * triton.cdiv(h, run.block_n)
     if not items:
@@ -848,7 +854,7 @@ def _launch_down(
         run.act_RF,
         _weight_operand(down_EHF, run),
         run.y_RH,
-        *_table_args(run, preempt_flag),
+        *_table_args(run, preempt_flag, programs if heeding is None else heeding),
         run.done_b_W if tracked else run.tiles.ends_2,
         run.done_a_W if tracked else run.tiles.ends_2,
         h,
@@ -1002,6 +1008,7 @@ def persistent_moe_run(
     preempt_flag: torch.Tensor | None = None,
     resume: MoeRun | None = None,
     num_programs: int | None = None,
+    heeding: int | None = None,
     block_m_decode: int = BLOCK_M_DECODE,
     block_m_prefill: int = BLOCK_M_PREFILL,
     block_n: int = BLOCK_N,
@@ -1020,12 +1027,17 @@ def persistent_moe_run(
     returned run shares them). Block sizes come from the run; num_programs may differ.
     num_programs: the persistent grid, by default PROGRAMS_PER_SM x the SM count (CUDA) or 4 (interpreter), capped
     at the items.
+    heeding: how many of the grid's programs (the first ones) heed the flag, all when None. The others run their
+    prefill items on through a preemption, beside the pass that raised it: a spatial split of the GPU where a
+    whole stop would serialise the two passes.
     num_warps, num_stages: Triton's launch options of both kernels (the software pipeline's depth).
     tma: load the weight tiles through TMA descriptors (sm_90+, contiguous weights with 16-byte aligned rows); a
     resume keeps the run's choice."""
     if triton is None:
         raise RuntimeError("persistent_moe needs Triton")
     _check_inputs(h_TH, weights_TK, ids_TK, gate_up_EFH, down_EHF, residual_TH, preempt_flag, num_programs)
+    if heeding is not None and (preempt_flag is None or heeding < 0):
+        raise ValueError(f"heeding={heeding}: a count of programs >= 0, for a launch with a preempt_flag")
     _check_num_decode(num_decode, h_TH.shape[0])
     e, f = gate_up_EFH.shape[0], gate_up_EFH.shape[1] // 2
     if resume is not None:
@@ -1052,8 +1064,8 @@ def persistent_moe_run(
         on_cpu = h_TH.device.type == "cpu"
         num_programs = INTERPRETER_PROGRAMS if on_cpu else PROGRAMS_PER_SM * _num_sms(h_TH.device.index or 0)
     launch = {"num_warps": num_warps, "num_stages": num_stages}
-    _launch_gate_up(run, h_TH, gate_up_EFH, preempt_flag, num_programs, launch)
-    _launch_down(run, down_EHF, preempt_flag, num_programs, launch)
+    _launch_gate_up(run, h_TH, gate_up_EFH, preempt_flag, num_programs, launch, heeding)
+    _launch_down(run, down_EHF, preempt_flag, num_programs, launch, heeding)
     undone = _undone_tiles(run)
     skip = undone if run.done_b_W is not None else None  # a tracked run may stop before its prefill rows
     return run._replace(out_TH=_combine(residual_TH, weights_TK, run.y_RH, skip, num_decode), undone=undone)

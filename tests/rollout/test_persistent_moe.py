@@ -440,6 +440,51 @@ def preempt_mid_launch(spec: dict, device: str) -> dict:
     return out
 
 
+def preempt_heeding_programs(spec: dict, device: str, programs: int = 3) -> dict:
+    """The flag raised before a launch of `programs` programs of which only program 0 heeds it: program 0 takes
+    no prefill item, the others all of theirs (items w = pid, pid + P, ...), in both phases (B only over tiles
+    whose A items are all done); the masks, the undone count and the resumed output, against that closed
+    form."""
+    _, nd, blocks = spec_of(spec)
+    inputs = make_inputs(spec, device)
+    want_TH = fp32_reference(inputs)
+    full_TH = persistent_moe(**inputs, num_decode=nd, **blocks)
+    flag = torch.ones(1, dtype=torch.int32, device=device)
+    run = persistent_moe_run(
+        **inputs, num_decode=nd, preempt_flag=flag, num_programs=programs, heeding=1, **blocks
+    )
+    dec, pre = tile_counts(run.tiles).tolist()
+    nb_a, nb_b = _items(run)
+    tiles = dec + pre
+
+    def expected(nb: int, tile_ready) -> np.ndarray:
+        w = np.arange(tiles * nb)
+        return (w < dec * nb) | ((w % programs != 0) & tile_ready[w // nb])
+
+    done_a = expected(nb_a, np.ones(tiles, dtype=bool))
+    done_b = expected(nb_b, done_a.reshape(tiles, nb_a).all(1))
+    undone = int((~done_b.reshape(tiles, nb_b).all(1))[dec:].sum())
+    out = {
+        "prefill_tiles": pre,
+        "done_a_matches": bool((run.done_a_W[: tiles * nb_a].cpu().numpy() > 0).tolist() == done_a.tolist()),
+        "done_b_matches": bool((run.done_b_W[: tiles * nb_b].cpu().numpy() > 0).tolist() == done_b.tolist()),
+        "undone": int(run.undone),
+        "undone_expected": undone,
+        "prefill_items_done": int(done_a[dec * nb_a :].sum()),
+        "decode_err": rel_err(run.out_TH[:nd], want_TH[:nd]),
+    }
+    done = persistent_moe_run(**inputs, num_decode=nd, resume=run)
+    out["resumed_equals_full"] = torch.equal(done.out_TH, full_TH)
+    return out
+
+
+def check_preempt_heeding(result: dict) -> None:
+    assert result["done_a_matches"] and result["done_b_matches"], result
+    assert result["undone"] == result["undone_expected"] > 0, result
+    assert result["prefill_items_done"] > 0 and result["decode_err"] <= 1e-5, result
+    assert result["resumed_equals_full"], result
+
+
 def flag_cleared_between_phases(spec: dict, device: str) -> dict:
     """Phase A (one program) stops after two prefill tiles; phase B then runs with the flag down (0): it must do
     those two tiles and no other, since the act rows of the rest are unwritten (NaN here)."""
@@ -533,6 +578,7 @@ def run_all(device: str) -> dict[str, dict]:
     for name, spec in PREEMPT_CASES.items():
         results[f"preempt-before/{name}"] = preempt_before_launch(spec, device)
     for name in ("mixed", "mixed-default-blocks"):
+        results[f"preempt-heeding/{name}"] = preempt_heeding_programs(PREEMPT_CASES[name], device)
         results[f"preempt-mid/{name}"] = preempt_mid_launch(PREEMPT_CASES[name], device)
         results[f"flag-cleared/{name}"] = flag_cleared_between_phases(PREEMPT_CASES[name], device)
     return results
@@ -594,6 +640,7 @@ def test_interpreted_preempt_before_launch_then_resume(interpreted, name):
 
 @pytest.mark.parametrize("name", ["mixed", "mixed-default-blocks"])
 def test_interpreted_preempt_mid_launch_then_resume(interpreted, name):
+    check_preempt_heeding(interpreted[f"preempt-heeding/{name}"])
     check_preempt_mid(interpreted[f"preempt-mid/{name}"], exact=True)
     check_flag_cleared(interpreted[f"flag-cleared/{name}"], exact=True)
 
@@ -652,6 +699,7 @@ def test_compiled_cases_on_cuda():
     for name in PREEMPT_CASES:
         check_preempt_before(results[f"preempt-before/{name}"])
     for name in ("mixed", "mixed-default-blocks"):
+        check_preempt_heeding(results[f"preempt-heeding/{name}"])
         check_preempt_mid(results[f"preempt-mid/{name}"], exact=False)
         check_flag_cleared(results[f"flag-cleared/{name}"], exact=False)
     check_table(results)
