@@ -39,7 +39,7 @@ not the host's launches). Reported: the decode pass's latency (its launch to its
 time, each over its time alone:
 - streams: both passes on the grouped path; the GPU's stream priorities are the only scheduling.
 - persistent: the prefill pass is a persistent launch with a preemption flag; the decode pass sets the flag on
-  its stream, runs, then the prefill's left tiles are resumed (`persistent_moe_run(resume=...)`). The decode pass
+  its stream (a copy from pinned memory: a kernel would wait for an SM the prefill's programs hold), runs, then the prefill's left tiles are resumed (`persistent_moe_run(resume=...)`). The decode pass
   waits at most for the prefill tiles in flight (one tile per resident program).
 - coresident: both passes persistent, each launched with `--arrival-programs-per-sm` programs per SM (1: half the
   default grid) and no flag, so the GPU can place the decode pass's programs beside the running prefill
@@ -375,10 +375,14 @@ def arrival_graphs(layer: Layer, prefill: dict, decode: dict, mode: str, program
     def prefill_pass() -> None:
         captured.append(layer.persistent(prefill, 0, preempt_flag=flag, heeding=heeding))
 
+    # the flag is written by the copy engine: a kernel writing it would wait for an SM slot, and the running
+    # persistent programs hold them all until they end
+    up, down = (torch.tensor([v], dtype=torch.int32).pin_memory() for v in (1, 0))
+
     def decode_pass() -> None:
-        flag.fill_(1)
+        flag.copy_(up, non_blocking=True)
         layer.persistent(decode, nd, **decode_grid)
-        flag.fill_(0)
+        flag.copy_(down, non_blocking=True)
 
     graphs = {"prefill": graphed(prefill_pass, layer.device, eager=False)}
     run = captured[-1]  # the capture's run: its buffers and done masks are the ones the replays write

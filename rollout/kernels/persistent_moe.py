@@ -1022,6 +1022,9 @@ def persistent_moe_run(
 
     preempt_flag: int32, one element on the device, read before every item; nonzero stops prefill items (decode
     items always run). Such a run is tracked (done masks), and `MoeRun.undone` counts the prefill tiles left.
+    Raise it with a copy (from pinned host memory: the copy engine), not a kernel: a kernel writing it waits for
+    an SM slot, and the running launch's programs hold them all until they end (on an H200 a decode pass that
+    raised it with `fill_` waited 1.1 ms behind an 8k-token prefill, 0.42 ms with a copy; bench/RESULTS.md).
     resume: a tracked run of the same inputs and num_decode: its tiles and buffers are reused and only the items
     it left are launched (a flag may preempt again). The buffers and done masks are updated in place (the
     returned run shares them). Block sizes come from the run; num_programs may differ.
