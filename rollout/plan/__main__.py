@@ -93,7 +93,9 @@ def _parser() -> argparse.ArgumentParser:
         default="routed",
         help="routed: a token only to the expert workers holding its experts (rollout/disagg.py); all: to every one",
     )
-    p.add_argument("--profile", help="rollout-profile/3 (or /2, /1) JSON (bench/rollout_disagg.py --profile)")
+    p.add_argument(
+        "--profile", help="rollout-profile/4 (or /3, /2, /1) JSON (bench/rollout_disagg.py --profile)"
+    )
     p.add_argument("--expert-fit", choices=EXPERT_FORMS, default="touched", help="form of the T_e fit")
     p.add_argument("--layout", choices=("auto", "replicas", "disaggregated"), default="auto")
     p.add_argument("--micro-batches", default="3,4", help="m values to try, within 1..4")

@@ -1,4 +1,4 @@
-"""Per-layer times of one GPU: read from a profile JSON (`rollout-profile/3`, `/2` or `/1`, written by
+"""Per-layer times of one GPU: read from a profile JSON (`rollout-profile/4`, `/3`, `/2` or `/1`, written by
 `bench/rollout_disagg.py --profile`) and fitted, or built from the roofline of a GPU preset.
 
 Schema /3 adds what the ExpertPlex planner (rollout/plan/shared.py) needs to be checked on one GPU: the expert

@@ -1,4 +1,4 @@
-"""bench/rollout_disagg.py --profile: the JSON follows the rollout-profile/3 schema with every requested point
+"""bench/rollout_disagg.py --profile: the JSON follows the rollout-profile/4 schema with every requested point
 (decode and prefill) present or reported as skipped, a failing point does not stop the run, the attention part it
 times is the model's own layer (same output, reads the cached context through the block table) for decode rows
 and prefill prompts, the prefill steps it times are the engine's own prefill, each timed rep runs its own layer,
