@@ -39,8 +39,9 @@ not the host's launches). Reported: the decode pass's latency (its launch to its
 time, each over its time alone:
 - streams: both passes on the grouped path; the GPU's stream priorities are the only scheduling.
 - persistent: the prefill pass is a persistent launch with a preemption flag; the decode pass sets the flag on
-  its stream (a copy from pinned memory: a kernel would wait for an SM the prefill's programs hold), runs, then the prefill's left tiles are resumed (`persistent_moe_run(resume=...)`). The decode pass
-  waits at most for the prefill tiles in flight (one tile per resident program).
+  its stream (a copy from pinned memory: a kernel would wait for an SM the prefill's programs hold), runs, then
+  the prefill's left tiles are resumed (`persistent_moe_run(resume=...)`). The decode pass waits at most for the
+  prefill tiles in flight (one tile per resident program).
 - coresident: both passes persistent, each launched with `--arrival-programs-per-sm` programs per SM (1: half the
   default grid) and no flag, so the GPU can place the decode pass's programs beside the running prefill
   programs on the same SMs: decode reads weights (memory-bound) while prefill multiplies (compute-bound), the

@@ -489,7 +489,7 @@ if triton is not None:
         rows_ptr,
         ends_ptr,
         flag_ptr,
-        yield_below,
+        heeding,
         done_ptr,
         H,
         F,
@@ -515,7 +515,7 @@ if triton is not None:
         num_items = tl.load(ends_ptr + 1) * num_col_blocks
         stopped = pid * 0
         for w in range(pid, num_items, tl.num_programs(0)):
-            stopped = _seen_flag(w, dec_items, stopped, flag_ptr, pid < yield_below, HAS_FLAG)
+            stopped = _seen_flag(w, dec_items, stopped, flag_ptr, pid < heeding, HAS_FLAG)
             run = _item_runs(w, dec_items, stopped, done_ptr, TRACK)
             if run:
                 q = w // num_col_blocks
@@ -549,7 +549,7 @@ if triton is not None:
         rows_ptr,
         ends_ptr,
         flag_ptr,
-        yield_below,
+        heeding,
         done_ptr,
         done_a_ptr,
         H,
@@ -579,7 +579,7 @@ if triton is not None:
         offs_a = tl.arange(0, BLOCK_NB_A)
         stopped = pid * 0
         for w in range(pid, num_items, tl.num_programs(0)):
-            stopped = _seen_flag(w, dec_items, stopped, flag_ptr, pid < yield_below, HAS_FLAG)
+            stopped = _seen_flag(w, dec_items, stopped, flag_ptr, pid < heeding, HAS_FLAG)
             q = w // num_col_blocks
             run = _item_runs(w, dec_items, stopped, done_ptr, TRACK)
             if HAS_FLAG:
@@ -654,7 +654,7 @@ class MoeRun(NamedTuple):
     out_TH: torch.Tensor  # residual + the k-sum, residual's dtype (prefill rows unwritten while undone)
     tiles: TileTable
     act_RF: torch.Tensor  # SwiGLU outputs in sorted order, the input dtype (rows of undone tiles undefined)
-    y_RH: torch.Tensor  # per-pair expert outputs in token order, the input dtype (0 where not computed)
+    y_RH: torch.Tensor  # per-pair expert outputs in token order, the input dtype (unset where not computed)
     done_a_W: torch.Tensor | None  # int32 [Q NB_A]: 1 where the phase-A item is done; None if not tracked
     done_b_W: torch.Tensor | None  # int32 [Q NB_B], likewise for phase B
     undone: torch.Tensor  # int32 scalar: prefill tiles whose output is not complete (0 if not tracked)
@@ -790,10 +790,12 @@ def _launch_fitting(kernel, programs: int, *args, options: dict) -> None:
         return
 
 
-def _table_args(run: MoeRun, preempt_flag: torch.Tensor | None, yield_below: int) -> tuple:
+def _table_args(run: MoeRun, preempt_flag: torch.Tensor | None, programs: int, heeding: int | None) -> tuple:
+    """The kernels' table, flag and heeding arguments (every program heeds the flag when heeding is None)."""
     t = run.tiles
     flag = preempt_flag if preempt_flag is not None else t.ends_2  # never read without HAS_FLAG
-    return t.order_R, t.expert_Q, t.start_Q, t.rows_Q, t.ends_2, flag, yield_below
+    heeds = programs if heeding is None else heeding
+    return t.order_R, t.expert_Q, t.start_Q, t.rows_Q, t.ends_2, flag, heeds
 
 
 def _launch_gate_up(
@@ -818,7 +820,7 @@ def _launch_gate_up(
         h_TH,
         _weight_operand(gate_up_EFH, run),
         run.act_RF,
-        *_table_args(run, preempt_flag, programs if heeding is None else heeding),
+        *_table_args(run, preempt_flag, programs, heeding),
         done,
         h,
         f,
@@ -854,7 +856,7 @@ def _launch_down(
         run.act_RF,
         _weight_operand(down_EHF, run),
         run.y_RH,
-        *_table_args(run, preempt_flag, programs if heeding is None else heeding),
+        *_table_args(run, preempt_flag, programs, heeding),
         run.done_b_W if tracked else run.tiles.ends_2,
         run.done_a_W if tracked else run.tiles.ends_2,
         h,
