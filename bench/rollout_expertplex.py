@@ -40,8 +40,9 @@ time, each over its time alone:
 - streams: both passes on the grouped path; the GPU's stream priorities are the only scheduling.
 - persistent: the prefill pass is a persistent launch with a preemption flag; the decode pass sets the flag on
   its stream (a copy from pinned memory: a kernel would wait for an SM the prefill's programs hold), runs, then
-  the prefill's left tiles are resumed (`persistent_moe_run(resume=...)`). The decode pass waits at most for the
-  prefill tiles in flight (one tile per resident program).
+  the prefill's left tiles are resumed (`persistent_moe_run(resume=...)`). One row per `--arrival-slices` n: the
+  prefill's phase-A items read the flag between n slices of their reduction and give themselves up when it is
+  up, so the decode pass waits for a slice of the items in flight (one per resident program), not whole items.
 - coresident: both passes persistent, each launched with `--arrival-programs-per-sm` programs per SM (1: half the
   default grid) and no flag, so the GPU can place the decode pass's programs beside the running prefill
   programs on the same SMs: decode reads weights (memory-bound) while prefill multiplies (compute-bound), the
@@ -78,6 +79,7 @@ from rollout_decode import QWEN3_30B_A3B, TINY, add_bandwidth_arg, int_list, med
 from rollout import RolloutEngine
 from rollout.config import RolloutConfig
 from rollout.kernels.persistent_moe import (
+    PREEMPT_SLICES,
     PROGRAMS_PER_SM,
     MoeRun,
     moe_reference,
@@ -332,28 +334,40 @@ def section_arrival(layer: Layer, args) -> dict:
     alone = {name: graph_us(fn, layer.device, args.repeats, args.warmup) for name, fn in passes.items()}
     out = {"alone": alone}
     streams = (torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-1))  # low, high
-    for mode in ARRIVAL_MODES:
-        graphs = arrival_graphs(layer, prefill, decode, mode, programs, args)
+    for name, mode, slices in arrival_modes(args):
+        graphs = arrival_graphs(layer, prefill, decode, mode, slices, programs, args)
         samples = [arrival_once(graphs, streams, args) for _ in range(args.repeats)]
         med = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
         suffix = "" if mode == "streams" else "_persistent"
-        out[mode] = {
+        out[name] = {
             **med,
             "decode_slowdown": med["decode_us"] / alone[f"decode{suffix}_us"],
             "prefill_slowdown": med["prefill_us"] / alone[f"prefill{suffix}_us"],
         }
-        print(mode, out[mode], flush=True)
+        print(name, out[name], flush=True)
     return out
 
 
-ARRIVAL_MODES = ("streams", "persistent", "coresident", "split")
+def arrival_modes(args) -> list[tuple[str, str, int]]:
+    """(row name, mode, preempt_slices) of the arrival section: the persistent mode once per `--arrival-slices`,
+    the split mode at the kernel's default slices."""
+    persistent = [(f"persistent/s{n}", "persistent", n) for n in args.arrival_slices]
+    return [
+        ("streams", "streams", 1),
+        *persistent,
+        ("coresident", "coresident", 1),
+        ("split", "split", PREEMPT_SLICES),
+    ]
 
 
-def arrival_graphs(layer: Layer, prefill: dict, decode: dict, mode: str, programs: int, args) -> dict:
-    """The replays of one arrival: prefill (a persistent launch with a preemption flag, or the grouped path, or
-    a persistent launch of `programs` programs), decode (flag raised, the pass, flag lowered; or the pass alone),
-    and for the persistent mode the resume of the prefill's left tiles (over the buffers the prefill graph
-    captured). Each graph has its own capture stream (`graphed`)."""
+def arrival_graphs(
+    layer: Layer, prefill: dict, decode: dict, mode: str, slices: int, programs: int, args
+) -> dict:
+    """The replays of one arrival: prefill (a persistent launch with a preemption flag read between `slices`
+    slices of its phase-A items, or the grouped path, or a persistent launch of `programs` programs), decode
+    (flag raised, the pass, flag lowered; or the pass alone), and for the persistent mode the resume of the
+    prefill's left tiles (over the buffers the prefill graph captured). Each graph has its own capture stream
+    (`graphed`)."""
     nd = args.arrival_decode
     if mode in ("streams", "coresident"):
         run = (
@@ -374,7 +388,9 @@ def arrival_graphs(layer: Layer, prefill: dict, decode: dict, mode: str, program
         decode_grid = {"num_programs": heeding}
 
     def prefill_pass() -> None:
-        captured.append(layer.persistent(prefill, 0, preempt_flag=flag, heeding=heeding))
+        captured.append(
+            layer.persistent(prefill, 0, preempt_flag=flag, heeding=heeding, preempt_slices=slices)
+        )
 
     # the flag is written by the copy engine: a kernel writing it would wait for an SM slot, and the running
     # persistent programs hold them all until they end
@@ -452,6 +468,12 @@ def main() -> None:
         type=float,
         default=0.5,
         help="split arrival mode: the fraction of the prefill's default grid that yields to the decode pass",
+    )
+    ap.add_argument(
+        "--arrival-slices",
+        type=int_list,
+        default=[1, PREEMPT_SLICES],
+        help="persistent arrival mode: slices of a prefill item's reduction between flag reads, one row each",
     )
     ap.add_argument("--sections", type=lambda s: s.split(","), default=["paths", "mixed", "sweep", "arrival"])
     ap.add_argument(
@@ -548,8 +570,7 @@ def print_tables(results: dict) -> None:
             "\n| scheduling | decode latency us (x alone) | prefill us (x alone) | prefill: first launch, resume us |"
         )
         print("|---|---|---|---|")
-        for mode in (m for m in ARRIVAL_MODES if m in arrival):
-            a = arrival[mode]
+        for mode, a in ((m, a) for m, a in arrival.items() if m != "alone"):
             print(
                 f"| {mode} | {a['decode_us']:.0f} ({a['decode_slowdown']:.2f}x) | "
                 f"{a['prefill_us']:.0f} ({a['prefill_slowdown']:.2f}x) | {a['first_us']:.0f}, {a['resume_us']:.0f} |"

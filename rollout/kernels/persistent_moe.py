@@ -40,9 +40,12 @@ Weight tiles are read with per-thread loads, or with `tma=True` through TMA desc
 
 Preemption and resume. With `preempt_flag` (int32, one element in device memory), a program reads the flag
 before each prefill item (one scalar atomic read, broadcast to all of its threads: they agree even while the flag
-changes); once it has seen it nonzero it takes no more prefill items (decode items always run, unread). Such a
-launch tracks its work: every item done stores 1 in done_a_W / done_b_W, and a B item runs only if all NB column
-blocks of its tile's A items are done (were the flag cleared between A and B, B still never reads an act row that
+changes); once it has seen it nonzero it takes no more prefill items (decode items always run, unread). Phase A's
+prefill items are the long ones (a reduction over H, twice: gate and up), so their reduction runs in
+`preempt_slices` slices with the flag read between them: an item that sees it gives itself up, stores nothing and
+stays undone, and the arriving pass waits for a slice rather than a whole item. Such a launch tracks its work:
+every item done stores 1 in done_a_W / done_b_W, and a B item runs only if all NB column blocks of its tile's A
+items are done (were the flag cleared between A and B, B still never reads an act row that
 A did not write: it leaves that tile undone). `MoeRun.undone` (int32 on the device) counts the prefill tiles whose
 B items are not all done. Passing that run as `resume` relaunches both phases over the same tiles and buffers,
 skipping done items: a launch with the flag plus its resume give the same output, bit for bit, as one launch
@@ -108,6 +111,11 @@ PROGRAMS_PER_SM = 2  # a second resident program keeps weight loads in flight wh
 # Weight tiles through TMA descriptors (Hopper's bulk copies, what torch._grouped_mm's CUTLASS kernels use) instead
 # of per-thread loads: off until an H100/H200 sweep (bench/rollout_expertplex.py --sweep-tma 0,1) shows it faster.
 TMA = False
+# Slices of a flagged launch's phase-A prefill item, the flag read between them: an 8192-token prefill's items
+# take ~70 us each on an H200 at two programs per SM, and an arriving decode pass waited for the slowest
+# program's current one (bench/RESULTS.md, #29 arrival). `--arrival-slices` of bench/rollout_expertplex.py
+# sweeps it.
+PREEMPT_SLICES = 4
 LAUNCH = {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
 INTERPRETER_PROGRAMS = 4  # the default grid under TRITON_INTERPRET=1 (CPU tensors)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -361,8 +369,13 @@ if triton is not None:
         around a write, and a split program deadlocks in its dot."""
         if HAS_FLAG:  # noqa: SIM102 - a constexpr test, then a runtime one (Triton mixes no `and` of the two)
             if (w >= dec_items) & (stopped == 0) & heeds:
-                stopped = (tl.atomic_add(flag_ptr, 0, sem="relaxed") != 0).to(tl.int32)
+                stopped = _flag_up(flag_ptr)
         return stopped
+
+    @triton.jit
+    def _flag_up(flag_ptr):
+        """1 if the flag is nonzero, else 0 (int32), read as `_seen_flag` says."""
+        return (tl.atomic_add(flag_ptr, 0, sem="relaxed") != 0).to(tl.int32)
 
     @triton.jit
     def _gate_up_tile(
@@ -381,15 +394,22 @@ if triton is not None:
         stride_ge,
         stride_gf,
         stride_ar,
+        flag_ptr,
+        heeds,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        SLICES: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
         TMA: tl.constexpr,
     ):
-        """act[start + i, n] = silu(gate_e . h_t) * (up_e . h_t) for the tile's rows i and columns n of the block.
-        TMA: gate_up_ptr is a descriptor of gate_up as [E 2F, H] in [BLOCK_N, BLOCK_K] blocks."""
+        """act[start + i, n] = silu(gate_e . h_t) * (up_e . h_t) for the tile's rows i and columns n of the block;
+        returns 1 if it gave the item up (nothing stored), else 0. With SLICES > 1 the reduction over H runs in
+        SLICES slices of whole BLOCK_K steps, and where `heeds`, the flag is read before each slice after the
+        first: once it is up the rest is skipped and nothing is stored. The slices add in the same order as one
+        loop, so a finished item's bits do not depend on SLICES. TMA: gate_up_ptr is a descriptor of gate_up as
+        [E 2F, H] in [BLOCK_N, BLOCK_K] blocks."""
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -406,26 +426,40 @@ if triton is not None:
             up_cols = gate_cols + F * stride_gf
         gate_MN = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up_MN = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            k_K = k0 + offs_k
-            k_ok = k_K < H
-            x_MK = tl.load(x_rows + k_K[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if TMA:
-                gate_KN = tl.trans(gate_up_ptr.load([gate_row, k0]))
-                up_KN = tl.trans(gate_up_ptr.load([gate_row + F, k0]))
+        gave_up = tl.program_id(0) * 0
+        slice_k = tl.cdiv(tl.cdiv(H, BLOCK_K), SLICES) * BLOCK_K
+        for s in tl.static_range(SLICES):
+            if SLICES == 1:  # the unflagged launches (the engine's): the one loop over H, as without slices
+                k_lo = 0
+                k_hi = H
             else:
-                kn_ok = k_ok[:, None] & n_ok[None, :]
-                gate_KN = tl.load(gate_cols + k_K[:, None], mask=kn_ok, other=0.0)
-                up_KN = tl.load(up_cols + k_K[:, None], mask=kn_ok, other=0.0)
-            gate_MN += dot_fp32(x_MK, gate_KN, PRECISION, UPCAST)
-            up_MN += dot_fp32(x_MK, up_KN, PRECISION, UPCAST)
+                k_lo = s * slice_k
+                if s > 0:  # noqa: SIM102 - a constexpr test, then a runtime one
+                    if heeds & (gave_up == 0) & (k_lo < H):
+                        gave_up = _flag_up(flag_ptr)
+                k_hi = tl.where(gave_up == 0, tl.minimum(k_lo + slice_k, H), k_lo)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                k_K = k0 + offs_k
+                k_ok = k_K < H
+                x_MK = tl.load(x_rows + k_K[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                if TMA:
+                    gate_KN = tl.trans(gate_up_ptr.load([gate_row, k0]))
+                    up_KN = tl.trans(gate_up_ptr.load([gate_row + F, k0]))
+                else:
+                    kn_ok = k_ok[:, None] & n_ok[None, :]
+                    gate_KN = tl.load(gate_cols + k_K[:, None], mask=kn_ok, other=0.0)
+                    up_KN = tl.load(up_cols + k_K[:, None], mask=kn_ok, other=0.0)
+                gate_MN += dot_fp32(x_MK, gate_KN, PRECISION, UPCAST)
+                up_MN += dot_fp32(x_MK, up_KN, PRECISION, UPCAST)
         act_MN = gate_MN * tl.sigmoid(gate_MN) * up_MN
         act_rows = act_ptr + (start + offs_m).to(tl.int64)[:, None] * stride_ar
-        tl.store(
-            act_rows + offs_n[None, :],
-            act_MN.to(act_ptr.dtype.element_ty),
-            mask=m_ok[:, None] & n_ok[None, :],
-        )
+        if gave_up == 0:
+            tl.store(
+                act_rows + offs_n[None, :],
+                act_MN.to(act_ptr.dtype.element_ty),
+                mask=m_ok[:, None] & n_ok[None, :],
+            )
+        return gave_up
 
     @triton.jit
     def _down_tile(
@@ -502,20 +536,24 @@ if triton is not None:
         BLOCK_M_PREFILL: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        SLICES: tl.constexpr,
         HAS_FLAG: tl.constexpr,
         TRACK: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
         TMA: tl.constexpr,
     ):
-        """Phase A, persistent: items w = q NB + n (tile q, block n of F's columns) from program_id step grid."""
+        """Phase A, persistent: items w = q NB + n (tile q, block n of F's columns) from program_id step grid. A
+        prefill item runs its reduction in SLICES slices (1 without a flag) and gives itself up, undone, when a
+        heeding program sees the flag between two of them."""
         pid = tl.program_id(0)
+        heeds = pid < heeding
         num_col_blocks = tl.cdiv(F, BLOCK_N)
         dec_items = tl.load(ends_ptr) * num_col_blocks
         num_items = tl.load(ends_ptr + 1) * num_col_blocks
         stopped = pid * 0
         for w in range(pid, num_items, tl.num_programs(0)):
-            stopped = _seen_flag(w, dec_items, stopped, flag_ptr, pid < heeding, HAS_FLAG)
+            stopped = _seen_flag(w, dec_items, stopped, flag_ptr, heeds, HAS_FLAG)
             run = _item_runs(w, dec_items, stopped, done_ptr, TRACK)
             if run:
                 q = w // num_col_blocks
@@ -523,20 +561,22 @@ if triton is not None:
                 expert = tl.load(expert_ptr + q)
                 start = tl.load(start_ptr + q)
                 rows = tl.load(rows_ptr + q)
+                gave_up = pid * 0
                 if w < dec_items:
                     _gate_up_tile(
                         h_ptr, gate_up_ptr, act_ptr, order_ptr, expert, start, rows, col_block, H, F, TOP_K,
-                        stride_ht, stride_ge, stride_gf, stride_ar,
-                        BLOCK_M_DECODE, BLOCK_N, BLOCK_K, PRECISION, UPCAST, TMA,
+                        stride_ht, stride_ge, stride_gf, stride_ar, flag_ptr, heeds,
+                        BLOCK_M_DECODE, BLOCK_N, BLOCK_K, 1, PRECISION, UPCAST, TMA,
                     )  # fmt: skip
                 else:
-                    _gate_up_tile(
+                    gave_up = _gate_up_tile(
                         h_ptr, gate_up_ptr, act_ptr, order_ptr, expert, start, rows, col_block, H, F, TOP_K,
-                        stride_ht, stride_ge, stride_gf, stride_ar,
-                        BLOCK_M_PREFILL, BLOCK_N, BLOCK_K, PRECISION, UPCAST, TMA,
+                        stride_ht, stride_ge, stride_gf, stride_ar, flag_ptr, heeds,
+                        BLOCK_M_PREFILL, BLOCK_N, BLOCK_K, SLICES, PRECISION, UPCAST, TMA,
                     )  # fmt: skip
+                stopped = stopped | gave_up
                 if TRACK:
-                    tl.store(done_ptr + w, 1)
+                    tl.store(done_ptr + w, 1 - gave_up)
 
     @triton.jit
     def _down_kernel(
@@ -806,9 +846,10 @@ def _launch_gate_up(
     programs: int,
     launch: dict = LAUNCH,
     heeding: int | None = None,
+    slices: int = 1,
 ) -> None:
     """Phase A over the run's tiles: act_RF (and done_a_W when tracked); programs below `heeding` (all when
-    None) heed the flag."""
+    None) heed the flag, also between the `slices` slices of a prefill item's reduction."""
     h, f = h_TH.shape[1], run.act_RF.shape[1]
     items = run.tiles.rows_Q.shape[0] * triton.cdiv(f, run.block_n)
     if not items:
@@ -829,7 +870,9 @@ def _launch_gate_up(
         gate_up_EFH.stride(0),
         gate_up_EFH.stride(1),
         run.act_RF.stride(0),
-        options=_launch_options(run, h_TH, preempt_flag, launch),
+        options=dict(
+            _launch_options(run, h_TH, preempt_flag, launch), SLICES=slices if preempt_flag is not None else 1
+        ),
     )
 
 
@@ -1011,6 +1054,7 @@ def persistent_moe_run(
     resume: MoeRun | None = None,
     num_programs: int | None = None,
     heeding: int | None = None,
+    preempt_slices: int = PREEMPT_SLICES,
     block_m_decode: int = BLOCK_M_DECODE,
     block_m_prefill: int = BLOCK_M_PREFILL,
     block_n: int = BLOCK_N,
@@ -1035,6 +1079,9 @@ def persistent_moe_run(
     heeding: how many of the grid's programs (the first ones) heed the flag, all when None. The others run their
     prefill items on through a preemption, beside the pass that raised it: a spatial split of the GPU where a
     whole stop would serialise the two passes.
+    preempt_slices: with a flag, a phase-A prefill item's reduction runs in this many slices and a heeding
+    program reads the flag between them, giving the item up (undone) once it is up: the arriving pass waits for
+    a slice of the running items rather than whole items.
     num_warps, num_stages: Triton's launch options of both kernels (the software pipeline's depth).
     tma: load the weight tiles through TMA descriptors (sm_90+, contiguous weights with 16-byte aligned rows); a
     resume keeps the run's choice."""
@@ -1043,6 +1090,8 @@ def persistent_moe_run(
     _check_inputs(h_TH, weights_TK, ids_TK, gate_up_EFH, down_EHF, residual_TH, preempt_flag, num_programs)
     if heeding is not None and (preempt_flag is None or heeding < 0):
         raise ValueError(f"heeding={heeding}: a count of programs >= 0, for a launch with a preempt_flag")
+    if not isinstance(preempt_slices, int) or preempt_slices < 1:
+        raise ValueError(f"preempt_slices={preempt_slices!r}: a count of slices >= 1")
     _check_num_decode(num_decode, h_TH.shape[0])
     e, f = gate_up_EFH.shape[0], gate_up_EFH.shape[1] // 2
     if resume is not None:
@@ -1069,7 +1118,7 @@ def persistent_moe_run(
         on_cpu = h_TH.device.type == "cpu"
         num_programs = INTERPRETER_PROGRAMS if on_cpu else PROGRAMS_PER_SM * _num_sms(h_TH.device.index or 0)
     launch = {"num_warps": num_warps, "num_stages": num_stages}
-    _launch_gate_up(run, h_TH, gate_up_EFH, preempt_flag, num_programs, launch, heeding)
+    _launch_gate_up(run, h_TH, gate_up_EFH, preempt_flag, num_programs, launch, heeding, preempt_slices)
     _launch_down(run, down_EHF, preempt_flag, num_programs, launch, heeding)
     undone = _undone_tiles(run)
     skip = undone if run.done_b_W is not None else None  # a tracked run may stop before its prefill rows

@@ -14,6 +14,7 @@ the kernels and the reference and the preemption facts the tests check.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -440,6 +441,70 @@ def preempt_mid_launch(spec: dict, device: str) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def flag_raised_at_read(flag: torch.Tensor, read: int):
+    """Under the interpreter: `flag` set to 1 just before the kernels' `read`-th flag read (1-based), by wrapping
+    the interpreter's atomic read-modify-write (the flag read is the kernels' only atomic). A launch of one
+    program then sees the flag rise at a chosen point of its walk, between items or between slices of one."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    original = InterpreterBuilder.create_atomic_rmw
+    reads = [0]
+
+    def counting(self, *args, **kwargs):
+        reads[0] += 1
+        if reads[0] == read:
+            flag.fill_(1)
+        return original(self, *args, **kwargs)
+
+    InterpreterBuilder.create_atomic_rmw = counting
+    try:
+        yield reads
+    finally:
+        InterpreterBuilder.create_atomic_rmw = original
+
+
+def preempt_mid_item(spec: dict, device: str, slices: int = 3) -> dict:
+    """One program resumes a run whose prefill is all undone and whose act rows were set to NaN, the flag rising
+    at its k-th read. It reads before each prefill item and between the `slices` slices of the item's reduction,
+    so a rise at read k leaves (k - 1) // slices prefill A items done and, when k - 1 is not a multiple of
+    `slices`, gives up the next one mid-reduction. Per k: the done count, whether exactly the done items' act
+    blocks were stored (no NaN left there, nothing else written), and a last resume against one launch."""
+    _, nd, blocks = spec_of(spec)
+    inputs = make_inputs(spec, device)
+    full_TH = persistent_moe(**inputs, num_decode=nd, **blocks)
+    out = {"reads_per_item": slices, "by_read": {}}
+    for k in range(1, 2 * slices + 2):
+        run = persistent_moe_run(
+            **inputs, num_decode=nd, preempt_flag=torch.ones(1, dtype=torch.int32), **blocks
+        )
+        run.act_RF.fill_(float("nan"))  # the decode items are done: their act rows are not read again
+        dec, pre = tile_counts(run.tiles).tolist()
+        nb_a, _ = _items(run)
+        flag = torch.zeros(1, dtype=torch.int32)
+        with flag_raised_at_read(flag, k):
+            run = persistent_moe_run(
+                **inputs, num_decode=nd, resume=run, preempt_flag=flag, num_programs=1, preempt_slices=slices
+            )
+        done_W = run.done_a_W[dec * nb_a : (dec + pre) * nb_a].numpy() > 0
+        stored_RF = torch.zeros(run.act_RF.shape, dtype=torch.bool)
+        bn = run.block_n
+        for i in np.flatnonzero(done_W):
+            q, n = dec + i // nb_a, i % nb_a
+            rows = slice(int(run.tiles.start_Q[q]), int(run.tiles.start_Q[q] + run.tiles.rows_Q[q]))
+            stored_RF[rows, n * bn : (n + 1) * bn] = True
+        written_RF = ~torch.isnan(run.act_RF)
+        written_RF[: int(run.tiles.start_Q[dec])] = False  # the decode rows: NaN-filled, never rewritten
+        resumed = persistent_moe_run(**inputs, num_decode=nd, resume=run, num_programs=2)
+        out["by_read"][k] = {
+            "done": int(done_W.sum()),
+            "done_is_a_prefix": bool(done_W[: int(done_W.sum())].all()),
+            "stored_exactly_done": bool(torch.equal(written_RF, stored_RF)),
+            "resumed_equals_full": bool(torch.equal(resumed.out_TH, full_TH)),
+        }
+    return out
+
+
 def preempt_heeding_programs(spec: dict, device: str, programs: int = 3) -> dict:
     """The flag raised before a launch of `programs` programs of which only program 0 heeds it: program 0 takes
     no prefill item, the others all of theirs (items w = pid, pid + P, ...), in both phases (B only over tiles
@@ -581,6 +646,8 @@ def run_all(device: str) -> dict[str, dict]:
         results[f"preempt-heeding/{name}"] = preempt_heeding_programs(PREEMPT_CASES[name], device)
         results[f"preempt-mid/{name}"] = preempt_mid_launch(PREEMPT_CASES[name], device)
         results[f"flag-cleared/{name}"] = flag_cleared_between_phases(PREEMPT_CASES[name], device)
+    if device == "cpu":  # the flag is raised by a hook in the interpreter
+        results["preempt-mid-item"] = preempt_mid_item(PREEMPT_CASES["mixed"], device)
     return results
 
 
@@ -643,6 +710,15 @@ def test_interpreted_preempt_mid_launch_then_resume(interpreted, name):
     check_preempt_heeding(interpreted[f"preempt-heeding/{name}"])
     check_preempt_mid(interpreted[f"preempt-mid/{name}"], exact=True)
     check_flag_cleared(interpreted[f"flag-cleared/{name}"], exact=True)
+
+
+def test_interpreted_preempt_within_an_item_gives_it_up_unstored(interpreted):
+    result = interpreted["preempt-mid-item"]
+    slices = result["reads_per_item"]
+    for k, got in result["by_read"].items():
+        assert got["done"] == (int(k) - 1) // slices, (k, got)  # the item read mid-way is given up
+        assert got["done_is_a_prefix"] and got["stored_exactly_done"], (k, got)
+        assert got["resumed_equals_full"], (k, got)
 
 
 def test_interpreted_combine_leaves_a_preempted_runs_prefill_rows(interpreted):
