@@ -36,13 +36,13 @@ e2e: the training loop (`python -m recipes.train`, one subprocess per run, as a 
 experiment, seeds and learning rates with three algorithms: `tppo` (window `--window`), `ppo` (whole responses,
 GAE) and `tppo_wmax` (T-PPO with W = L_max, a sanity check whose curve must match PPO's: EGAE over a window that
 holds the whole response is GAE). Read from each run's metrics.jsonl: reward per step (`rollout/reward_mean`,
-smoothed over `--smooth` steps), cumulative wall clock (sum of `perf/step_s`: the RL steps, not start-up or the
-warm start), and each phase's share of the step. Reported per algorithm (median and spread over seeds): the
-wall clock to reach `--threshold` (also counted from the end of the first step, which alone carries the one-time
-warm-up), the reward at the equal wall clock (the shortest run's total), the mean step time and phase shares;
-plots of reward vs wall clock and decode occupancy per step under `--plots`. A run directory under `--run-root`
-that already holds every step of the same overrides is read, not re-run: the seeds of one table may come from
-several calls.
+smoothed over `--smooth` steps; a threshold counts once a whole window of them reaches it), cumulative wall clock
+(sum of `perf/step_s`: the RL steps, not start-up or the warm start), and each phase's share of the step. Reported
+per algorithm (median and spread over seeds): the wall clock to reach `--threshold` (also counted from the end of
+the first step, which alone carries the one-time warm-up), the reward at the equal wall clock (the shortest run's
+total), the mean step time and phase shares; plots of reward vs wall clock and decode occupancy per step under
+`--plots`. A run directory under `--run-root` that already holds every step of the same overrides is read, not
+re-run: the seeds of one table may come from several calls.
 """
 
 from __future__ import annotations
@@ -614,6 +614,7 @@ def curve(rows: list[dict], smooth: int) -> dict:
     return {
         "wall_s": list(np.cumsum(step_s)),
         "reward": smoothed([r.get("rollout/reward_mean") for r in rows], smooth),
+        "smooth": smooth,
         "reward_raw": [r.get("rollout/reward_mean", math.nan) for r in rows],
         "occupancy": [occupancy(r) for r in rows],
         "step_s_mean": total / len(rows),
@@ -640,8 +641,11 @@ def occupancy(row: dict) -> float:
 
 
 def time_to(c: dict, threshold: float) -> float | None:
-    """Wall clock at the first step whose smoothed reward reaches the threshold (None: never)."""
-    return next((t for t, r in zip(c["wall_s"], c["reward"]) if r >= threshold), None)
+    """Wall clock at the first step whose smoothed reward, over a full window of `smooth` steps, reaches the
+    threshold (None: never). Before the window fills, the mean is of the first few steps, and one lucky step
+    near a threshold the run starts close to would count as reaching it."""
+    full = zip(c["wall_s"][c["smooth"] - 1 :], c["reward"][c["smooth"] - 1 :])
+    return next((t for t, r in full if r >= threshold), None)
 
 
 def after_first_step(c: dict, wall_s: float | None) -> float | None:

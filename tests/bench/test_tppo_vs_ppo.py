@@ -289,3 +289,19 @@ def test_time_after_the_first_step_leaves_out_its_warm_up():
     assert reached == pytest.approx(32.0)
     assert bench.after_first_step(c, reached) == pytest.approx(2.0)
     assert bench.after_first_step(c, bench.time_to(c, 0.5)) is None
+
+
+def test_a_threshold_counts_once_the_smoothing_window_is_full():
+    rewards = [
+        -0.4,
+        -0.9,
+        -0.9,
+        -0.3,
+        -0.3,
+        -0.3,
+    ]  # trailing means of 3: -0.4, -0.65, -0.73, -0.7, -0.5, -0.3
+    c = bench.curve([{"perf/step_s": 1.0, "rollout/reward_mean": r} for r in rewards], smooth=3)
+    assert bench.time_to(c, -0.5) == pytest.approx(5.0)  # not 1.0: step 0 alone is not a window
+    assert bench.time_to(c, -0.2) is None
+    short = bench.curve([{"perf/step_s": 1.0, "rollout/reward_mean": 0.0}] * 2, smooth=3)
+    assert bench.time_to(short, -0.5) is None  # the window never fills
