@@ -39,22 +39,22 @@ fp32 copy through memory four times (~2.6 GB at 8192 tokens: ~0.8 ms at an H100'
 Weight tiles are read with per-thread loads, or with `tma=True` through TMA descriptors (Hopper's bulk copies).
 
 Preemption and resume. With `preempt_flag` (int32, one element in device memory), a program reads the flag
-before each prefill item (one scalar atomic read, broadcast to all of its threads: they agree even while the flag
-changes); once it has seen it nonzero it takes no more prefill items (decode items always run, unread). Phase A's
-prefill items are the long ones (a reduction over H, twice: gate and up), so their reduction runs in
-`preempt_slices` slices with the flag read between them: an item that sees it gives itself up, stores nothing and
-stays undone, and the arriving pass waits for a slice rather than a whole item. Such a launch tracks its work:
-every item done stores 1 in done_a_W / done_b_W, and a B item runs only if all NB column blocks of its tile's A
-items are done (were the flag cleared between A and B, B still never reads an act row that
-A did not write: it leaves that tile undone). `MoeRun.undone` (int32 on the device) counts the prefill tiles whose
-B items are not all done. Passing that run as `resume` relaunches both phases over the same tiles and buffers,
+before each prefill item (one scalar atomic read, broadcast to all of its threads: they agree even while the
+flag changes); once it has seen it nonzero it takes no more prefill items (decode items always run, unread).
+Phase A's prefill items are the long ones (a reduction over H, twice: gate and up), so their reduction runs in
+`preempt_slices` slices with the flag read between them: an item that sees it gives itself up, stores nothing
+and stays undone, and the arriving pass waits for a slice rather than a whole item. Such a launch tracks its
+work: every item done stores 1 in done_a_W / done_b_W, and a B item runs only if all NB column blocks of its
+tile's A items are done (were the flag cleared between A and B, B still never reads an act row that A did not
+write: it leaves that tile undone). `MoeRun.undone` (int32 on the device) counts the prefill tiles whose B
+items are not all done. Passing that run as `resume` relaunches both phases over the same tiles and buffers,
 skipping done items: a launch with the flag plus its resume give the same output, bit for bit, as one launch
-without it (every item computes the same numbers whichever program runs it, whenever). A preempted run's combine
-writes the decode rows only: its prefill rows are left as the output buffer held them until a resume completes
-them. So a decode pass arriving on another stream does not wait behind a whole combine of the prefill tokens
-(the GPU hands SMs to the higher-priority stream only as the running blocks end), nor does the prefill pay it
-twice. With `heeding`, only the grid's first programs heed the flag: the others keep taking prefill items while
-the arriving pass runs in the slots the first ones leave.
+without it (every item computes the same numbers whichever program runs it, whenever). A preempted run's
+combine writes the decode rows only: its prefill rows are left as the output buffer held them until a resume
+completes them. So a decode pass arriving on another stream does not wait behind a whole combine of the
+prefill tokens (the GPU hands SMs to the higher-priority stream only as the running blocks end), nor does the
+prefill pay it twice. With `heeding`, only the grid's first programs heed the flag: the others keep taking
+prefill items while the arriving pass runs in the slots the first ones leave.
 
 Everything is graph-capturable: grids and buffer sizes come from shapes and Python ints, counts are read on the
 device, and a preempted run's done masks and buffers are device tensors a later captured launch can resume.
@@ -617,9 +617,10 @@ if triton is not None:
         dec_items = tl.load(ends_ptr) * num_col_blocks
         num_items = tl.load(ends_ptr + 1) * num_col_blocks
         offs_a = tl.arange(0, BLOCK_NB_A)
+        heeds = pid < heeding
         stopped = pid * 0
         for w in range(pid, num_items, tl.num_programs(0)):
-            stopped = _seen_flag(w, dec_items, stopped, flag_ptr, pid < heeding, HAS_FLAG)
+            stopped = _seen_flag(w, dec_items, stopped, flag_ptr, heeds, HAS_FLAG)
             q = w // num_col_blocks
             run = _item_runs(w, dec_items, stopped, done_ptr, TRACK)
             if HAS_FLAG:
