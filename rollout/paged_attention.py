@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rollout.kernels import interpreted
+
 try:
     import triton
     import triton.language as tl
@@ -496,8 +498,8 @@ def paged_attention_triton(
     g = n // m
     decode_n, prefill_n = _key_tile(block_size, decode_key_tile), _key_tile(block_size, prefill_key_tile)
     block_d = max(16, _next_pow2(d))
-    # CPU tensors run only under the interpreter, whose dot is wrong for bf16: widen its operands there
-    upcast = q_TND.device.type == "cpu"
+    # the interpreter's dot is wrong for bf16: widen its operands there
+    upcast = interpreted(_decode_kernel)
     # fp32 operands would otherwise go through TF32 (10-bit mantissa): 1e-3 errors instead of 1e-6
     precision = "ieee" if upcast or q_TND.dtype == torch.float32 else "tf32"
     qk_scale = scale * LOG2E

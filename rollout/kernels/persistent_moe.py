@@ -71,6 +71,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from rollout.kernels import interpreted
 from rollout.kernels.tiling import BLOCK_M_DECODE, BLOCK_M_PREFILL
 
 try:
@@ -710,7 +711,7 @@ def _num_sms(device_index: int) -> int:
 
 
 def _interpreted() -> bool:
-    return triton is not None and type(_gate_up_kernel).__name__ == "InterpretedFunction"
+    return triton is not None and interpreted(_gate_up_kernel)
 
 
 def triton_runs_on(device: torch.device | str) -> bool:
@@ -791,7 +792,7 @@ def _undone_tiles(run: MoeRun) -> torch.Tensor:
 
 
 def _launch_options(run: MoeRun, x: torch.Tensor, preempt_flag: torch.Tensor | None, launch: dict) -> dict:
-    interpreted = x.device.type == "cpu"
+    upcast = _interpreted()
     return dict(
         BLOCK_M_DECODE=run.tiles.block_m_decode,
         BLOCK_M_PREFILL=run.tiles.block_m_prefill,
@@ -799,10 +800,10 @@ def _launch_options(run: MoeRun, x: torch.Tensor, preempt_flag: torch.Tensor | N
         BLOCK_K=run.block_k,
         HAS_FLAG=preempt_flag is not None,
         TRACK=run.done_a_W is not None,
-        # CPU tensors run only under the interpreter, whose dot is wrong for bf16: widen its operands there; fp32
-        # operands would otherwise go through TF32 (10-bit mantissa)
-        PRECISION="ieee" if interpreted or x.dtype == torch.float32 else "tf32",
-        UPCAST=interpreted,
+        # the interpreter's dot is wrong for bf16: widen its operands there; fp32 operands would otherwise go
+        # through TF32 (10-bit mantissa)
+        PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32",
+        UPCAST=upcast,
         TMA=run.tma,
         **launch,
     )
@@ -1119,8 +1120,27 @@ def persistent_moe_run(
         on_cpu = h_TH.device.type == "cpu"
         num_programs = INTERPRETER_PROGRAMS if on_cpu else PROGRAMS_PER_SM * _num_sms(h_TH.device.index or 0)
     launch = {"num_warps": num_warps, "num_stages": num_stages}
-    _launch_gate_up(run, h_TH, gate_up_EFH, preempt_flag, num_programs, launch, heeding, preempt_slices)
-    _launch_down(run, down_EHF, preempt_flag, num_programs, launch, heeding)
+    kernels = (gate_up_EFH, down_EHF, preempt_flag, num_programs, launch, heeding, preempt_slices)
+    return _launch_run(run, h_TH, weights_TK, residual_TH, num_decode, *kernels)
+
+
+def _launch_run(
+    run: MoeRun,
+    h_TH: torch.Tensor,
+    weights_TK: torch.Tensor,
+    residual_TH: torch.Tensor,
+    num_decode: int,
+    gate_up_EFH: torch.Tensor,
+    down_EHF: torch.Tensor,
+    preempt_flag: torch.Tensor | None,
+    programs: int,
+    launch: dict,
+    heeding: int | None,
+    slices: int,
+) -> MoeRun:
+    """The launches of `persistent_moe_run` over checked inputs: phase A, phase B, the combine."""
+    _launch_gate_up(run, h_TH, gate_up_EFH, preempt_flag, programs, launch, heeding, slices)
+    _launch_down(run, down_EHF, preempt_flag, programs, launch, heeding)
     undone = _undone_tiles(run)
     skip = undone if run.done_b_W is not None else None  # a tracked run may stop before its prefill rows
     return run._replace(out_TH=_combine(residual_TH, weights_TK, run.y_RH, skip, num_decode), undone=undone)
