@@ -108,14 +108,17 @@ BLOCK_N = 128
 BLOCK_K = 64
 NUM_WARPS = 8
 NUM_STAGES = 4
-PROGRAMS_PER_SM = 2  # a second resident program keeps weight loads in flight while the other one computes
+# The grid, in programs per SM. At the default tiles one program is resident per SM (192 KB of shared memory and
+# 255 registers x 256 threads; tests/rollout/test_kernels_compile.py reports both): the second starts when its
+# SM's first one ends, and the sweep timed one and two per SM within 2% of each other.
+PROGRAMS_PER_SM = 2
 # Weight tiles through TMA descriptors (Hopper's bulk copies, what torch._grouped_mm's CUTLASS kernels use) instead
 # of per-thread loads: off until an H100/H200 sweep (bench/rollout_expertplex.py --sweep-tma 0,1) shows it faster.
 TMA = False
 # Slices of a flagged launch's phase-A prefill item, the flag read between them: an 8192-token prefill's items
-# take ~70 us each on an H200 at two programs per SM, and an arriving decode pass waited for the slowest
-# program's current one (bench/RESULTS.md, #29 arrival). `--arrival-slices` of bench/rollout_expertplex.py
-# sweeps it.
+# take ~35 us each on an H200 (~29 items a resident program in ~1 ms of phase A), and an arriving decode pass
+# waits for the slowest program's current one (bench/RESULTS.md, #29 arrival). `--arrival-slices` of
+# bench/rollout_expertplex.py sweeps it; at 8 slices phase A spills 192 bytes a thread (8 at 1-4).
 PREEMPT_SLICES = 4
 LAUNCH = {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
 INTERPRETER_PROGRAMS = 4  # the default grid under TRITON_INTERPRET=1 (CPU tensors)
