@@ -41,8 +41,8 @@ Weight tiles are read with per-thread loads, or with `tma=True` through TMA desc
 Preemption and resume. With `preempt_flag` (int32, one element in device memory), a program reads the flag
 before each prefill item (one scalar atomic read, broadcast to all of its threads: they agree even while the
 flag changes); once it has seen it nonzero it takes no more prefill items (decode items always run, unread).
-Phase A's prefill items are the long ones (a reduction over H, twice: gate and up), so their reduction runs in
-`preempt_slices` slices with the flag read between them: an item that sees it gives itself up, stores nothing
+Phase A's prefill items are the long ones (a reduction over H, twice: gate and up), so their reduction can run
+in `preempt_slices` slices with the flag read between them: an item that sees it gives itself up, stores nothing
 and stays undone, and the arriving pass waits for a slice rather than a whole item. Such a launch tracks its
 work: every item done stores 1 in done_a_W / done_b_W, and a B item runs only if all NB column blocks of its
 tile's A items are done (were the flag cleared between A and B, B still never reads an act row that A did not
@@ -115,11 +115,11 @@ PROGRAMS_PER_SM = 2
 # Weight tiles through TMA descriptors (Hopper's bulk copies, what torch._grouped_mm's CUTLASS kernels use) instead
 # of per-thread loads: off until an H100/H200 sweep (bench/rollout_expertplex.py --sweep-tma 0,1) shows it faster.
 TMA = False
-# Slices of a flagged launch's phase-A prefill item, the flag read between them: an 8192-token prefill's items
-# take ~35 us each on an H200 (~29 items a resident program in ~1 ms of phase A), and an arriving decode pass
-# waits for the slowest program's current one (bench/RESULTS.md, #29 arrival). `--arrival-slices` of
-# bench/rollout_expertplex.py sweeps it; at 8 slices phase A spills 192 bytes a thread (8 at 1-4).
-PREEMPT_SLICES = 4
+# Slices of a flagged launch's phase-A prefill item, the flag read between them. One: on an H100 an arriving
+# decode pass ran 1.15x its time alone at 1, 2, 4 and 8 slices alike (bench/RESULTS.md, #29 arrival), so its
+# wait is not the running items'; more slices cost prefill ~1% and, at 8, 192 bytes of spills a thread.
+# `--arrival-slices` of bench/rollout_expertplex.py sweeps it.
+PREEMPT_SLICES = 1
 LAUNCH = {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
 INTERPRETER_PROGRAMS = 4  # the default grid under TRITON_INTERPRET=1 (CPU tensors)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
