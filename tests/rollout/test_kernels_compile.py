@@ -21,7 +21,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -209,8 +208,9 @@ def compiled() -> dict[str, dict]:
         pytest.skip("CUDA present: the GPU tests compile and run the kernels")
     from triton.backends.nvidia import compiler as nvidia
 
-    if not (Path(nvidia.__file__).parent / "bin" / "ptxas").exists() and shutil.which("ptxas") is None:
-        pytest.skip("Triton's CUDA backend has no ptxas here")
+    tools = Path(nvidia.__file__).parent / "bin"
+    if not all((tools / tool).exists() for tool in ("ptxas", "cuobjdump")):
+        pytest.skip(f"Triton's CUDA backend has no ptxas and cuobjdump in {tools}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(
