@@ -51,7 +51,8 @@ time, each over its time alone:
   default grid; 0.5: one of the two per SM) heed the flag, and the decode pass runs on that many programs in the
   slots they leave while the others go on with prefill items: the GPU split in space, where a whole stop runs the
   two passes one after the other (the prefill then slows by at least the decode pass's time over its own).
-Slowdowns are over each pass alone at the default grid.
+Slowdowns are over each pass alone at the default grid. Beside them, the persistent decode pass alone between
+the flag's two copies (`decode_flag_copies_us`): the part of its latency that raising the flag costs.
 """
 
 from __future__ import annotations
@@ -323,10 +324,15 @@ def section_arrival(layer: Layer, args) -> dict:
     programs = (
         args.arrival_programs_per_sm * torch.cuda.get_device_properties(layer.device).multi_processor_count
     )
+    unread = torch.zeros(1, dtype=torch.int32, device=layer.device)  # a flag no prefill reads
     passes = {
         "decode_us": lambda: layer.run("grouped", decode, nd),
         "prefill_us": lambda: layer.run("grouped", prefill, 0),
         "decode_persistent_us": lambda: layer.run("persistent", decode, nd),
+        # the persistent mode's decode pass with nothing to preempt: what raising and lowering the flag costs it
+        "decode_flag_copies_us": lambda: flag_raised_around(
+            unread, lambda: layer.run("persistent", decode, nd)
+        ),
         "prefill_persistent_us": lambda: layer.run("persistent", prefill, 0),
         "decode_coresident_us": lambda: layer.persistent(decode, nd, num_programs=programs).out_TH,
         "prefill_coresident_us": lambda: layer.persistent(prefill, 0, num_programs=programs).out_TH,
@@ -392,14 +398,8 @@ def arrival_graphs(
             layer.persistent(prefill, 0, preempt_flag=flag, heeding=heeding, preempt_slices=slices)
         )
 
-    # the flag is written by the copy engine: a kernel writing it would wait for an SM slot, and the running
-    # persistent programs hold them all until they end
-    up, down = (torch.tensor([v], dtype=torch.int32).pin_memory() for v in (1, 0))
-
     def decode_pass() -> None:
-        flag.copy_(up, non_blocking=True)
-        layer.persistent(decode, nd, **decode_grid)
-        flag.copy_(down, non_blocking=True)
+        flag_raised_around(flag, lambda: layer.persistent(decode, nd, **decode_grid))
 
     graphs = {"prefill": graphed(prefill_pass, layer.device, eager=False)}
     run = captured[-1]  # the capture's run: its buffers and done masks are the ones the replays write
@@ -408,6 +408,22 @@ def arrival_graphs(
     graphs["decode"] = graphed(decode_pass, layer.device, eager=False)
     graphs["resume"] = graphed(lambda: layer.persistent(prefill, 0, resume=run), layer.device, eager=False)
     return graphs
+
+
+@functools.cache
+def _pinned_flag_values() -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(torch.tensor([v], dtype=torch.int32).pin_memory() for v in (1, 0))
+
+
+def flag_raised_around(flag: torch.Tensor, fn):
+    """fn() between raising `flag` and lowering it. The flag is written by the copy engine, from pinned host
+    memory: a kernel writing it would wait for an SM slot, and the running persistent programs hold them all
+    until they end."""
+    up, down = _pinned_flag_values()
+    flag.copy_(up, non_blocking=True)
+    out = fn()
+    flag.copy_(down, non_blocking=True)
+    return out
 
 
 def arrival_once(graphs: dict, streams: tuple, args) -> dict[str, float]:
@@ -575,6 +591,11 @@ def print_tables(results: dict) -> None:
                 f"| {mode} | {a['decode_us']:.0f} ({a['decode_slowdown']:.2f}x) | "
                 f"{a['prefill_us']:.0f} ({a['prefill_slowdown']:.2f}x) | {a['first_us']:.0f}, {a['resume_us']:.0f} |"
             )
+        alone = arrival["alone"]
+        print(
+            f"decode pass alone, persistent: {alone['decode_persistent_us']:.0f} us; between the flag's two copies: "
+            f"{alone['decode_flag_copies_us']:.0f} us"
+        )
     elif arrival:
         print(f"\narrival: {arrival}")
 
