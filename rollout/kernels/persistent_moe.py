@@ -1123,8 +1123,10 @@ def persistent_moe_run(
         on_cpu = h_TH.device.type == "cpu"
         num_programs = INTERPRETER_PROGRAMS if on_cpu else PROGRAMS_PER_SM * _num_sms(h_TH.device.index or 0)
     launch = {"num_warps": num_warps, "num_stages": num_stages}
-    kernels = (gate_up_EFH, down_EHF, preempt_flag, num_programs, launch, heeding, preempt_slices)
-    return _launch_run(run, h_TH, weights_TK, residual_TH, num_decode, *kernels)
+    return _launch_run(
+        run, h_TH, weights_TK, residual_TH, num_decode, gate_up_EFH, down_EHF,
+        preempt_flag, num_programs, launch, heeding, preempt_slices,
+    )  # fmt: skip
 
 
 def _launch_run(

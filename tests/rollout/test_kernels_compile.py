@@ -32,6 +32,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 SHARED_MEM_PER_BLOCK = 232_448  # bytes a block may opt into on the H100 and H200 (227 KB)
 MAX_THREADS_PER_BLOCK = 1024
+SMS = 132  # an H100 SXM's (the H200 has as many): the persistent launches' grid is a multiple of it
 
 # Qwen3-30B-A3B's widths (hidden 2048, expert FFN 768, top-8) over 8 experts: the launches specialise on the
 # strides, which these widths set as the model does; 128 experts would only make the CPU tensors larger.
@@ -66,7 +67,7 @@ def install_compile_only_driver(compiled: list[dict]) -> None:
 
     class Utils:
         def get_device_properties(self, device):
-            return {"max_shared_mem": SHARED_MEM_PER_BLOCK, "multiprocessor_count": 132}
+            return {"max_shared_mem": SHARED_MEM_PER_BLOCK, "multiprocessor_count": SMS}
 
         def load_binary(self, name, cubin, shared, device):
             usage = resource_usage(cubin)
@@ -153,8 +154,10 @@ def compile_moe(dtype: str, flagged: bool, slices: int, tma: bool) -> None:
     pm.build_tiles(x["ids_TK"], MOE["num_decode"], e, kernel=True)
     run = pm._new_run(x["h_TH"], x["ids_TK"], e, f, MOE["num_decode"], flagged, blocks, tma)
     launch = {"num_warps": pm.NUM_WARPS, "num_stages": pm.NUM_STAGES}
-    kernels = (x["gate_up_EFH"], x["down_EHF"], flag, 264, launch, None, slices)
-    pm._launch_run(run, x["h_TH"], x["weights_TK"], x["residual_TH"], MOE["num_decode"], *kernels)
+    pm._launch_run(
+        run, x["h_TH"], x["weights_TK"], x["residual_TH"], MOE["num_decode"], x["gate_up_EFH"], x["down_EHF"],
+        flag, pm.PROGRAMS_PER_SM * SMS, launch, None, slices,
+    )  # fmt: skip
 
 
 def compile_attention(spec: dict) -> None:
