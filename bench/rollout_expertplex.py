@@ -52,7 +52,9 @@ time, each over its time alone:
   slots they leave while the others go on with prefill items: the GPU split in space, where a whole stop runs the
   two passes one after the other (the prefill then slows by at least the decode pass's time over its own).
 Slowdowns are over each pass alone at the default grid. Beside them, the persistent decode pass alone between
-the flag's two copies (`decode_flag_copies_us`): the part of its latency that raising the flag costs.
+the flag's two copies (`decode_flag_copies_us`): the part of its latency that raising the flag costs. Each mode
+also records one more arrival under the profiler (`timeline`: every kernel and copy of both streams, with its
+start and end), printed for the persistent rows: what the decode pass waits for.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -351,7 +354,41 @@ def section_arrival(layer: Layer, args) -> dict:
             "prefill_slowdown": med["prefill_us"] / alone[f"prefill{suffix}_us"],
         }
         print(name, out[name], flush=True)
+        out[name]["timeline"] = traced_arrival(graphs, streams, args)
     return out
+
+
+def traced_arrival(graphs: dict, streams: tuple, args) -> list[dict]:
+    """One more arrival under the profiler: its GPU activities in time order (`gpu_timeline`), where the
+    medians above say only how long each pass took, not what the decode pass waited for."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        arrival_once(graphs, streams, args)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    return gpu_timeline(events)
+
+
+GPU_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def gpu_timeline(events: list[dict]) -> list[dict]:
+    """The GPU activities (kernels, copies, memsets) of a chrome trace, in start order: name (cut to 60
+    characters), stream, start_us and end_us from the first one's start."""
+    gpu = sorted((e for e in events if e.get("cat") in GPU_ACTIVITIES), key=lambda e: e["ts"])
+    if not gpu:
+        return []
+    t0 = gpu[0]["ts"]
+    return [
+        {
+            "name": e["name"][:60],
+            "stream": e.get("args", {}).get("stream"),
+            "start_us": round(e["ts"] - t0, 1),
+            "end_us": round(e["ts"] + e.get("dur", 0) - t0, 1),
+        }
+        for e in gpu
+    ]
 
 
 def arrival_modes(args) -> list[tuple[str, str, int]]:
@@ -596,6 +633,14 @@ def print_tables(results: dict) -> None:
             f"decode pass alone, persistent: {alone['decode_persistent_us']:.0f} us; between the flag's two copies: "
             f"{alone['decode_flag_copies_us']:.0f} us"
         )
+        for mode, a in (
+            (m, a) for m, a in arrival.items() if m.startswith("persistent") and a.get("timeline")
+        ):
+            print(
+                f"\ntimeline of one {mode} arrival (us from the first GPU activity; stream: name start-end)"
+            )
+            for e in a["timeline"]:
+                print(f"  {e['stream']}: {e['name']} {e['start_us']:.1f}-{e['end_us']:.1f}")
     elif arrival:
         print(f"\narrival: {arrival}")
 
