@@ -38,9 +38,9 @@ high-priority stream. Every pass is a CUDA graph replay, alone or together (the 
 not the host's launches). Reported: the decode pass's latency (its launch to its end) and the prefill pass's
 time, each over its time alone:
 - streams: both passes on the grouped path; the GPU's stream priorities are the only scheduling.
-- persistent: the prefill pass is a persistent launch with a preemption flag; the decode pass sets the flag on
-  its stream (a copy from pinned memory: a kernel would wait for an SM the prefill's programs hold), runs, then
-  the prefill's left tiles are resumed (`persistent_moe_run(resume=...)`). One row per `--arrival-slices` n: the
+- persistent: the prefill pass is a persistent launch with a preemption flag; the decode pass raises the flag
+  on its stream (a copy from pinned memory: a kernel would wait for an SM the prefill's programs hold) and runs,
+  then the resume lowers the flag and relaunches the prefill's left tiles (`persistent_moe_run(resume=...)`). One row per `--arrival-slices` n: the
   prefill's phase-A items read the flag between n slices of their reduction and give themselves up when it is
   up, so the decode pass waits for a slice of the items in flight (one per resident program), not whole items.
 - coresident: both passes persistent, each launched with `--arrival-programs-per-sm` programs per SM (1: half the
@@ -51,8 +51,8 @@ time, each over its time alone:
   default grid; 0.5: one of the two per SM) heed the flag, and the decode pass runs on that many programs in the
   slots they leave while the others go on with prefill items: the GPU split in space, where a whole stop runs the
   two passes one after the other (the prefill then slows by at least the decode pass's time over its own).
-Slowdowns are over each pass alone at the default grid. Beside them, the persistent decode pass alone between
-the flag's two copies (`decode_flag_copies_us`): the part of its latency that raising the flag costs. Each mode
+Slowdowns are over each pass alone at the default grid. Beside them, the persistent decode pass alone after
+raising a flag (`decode_flag_raised_us`): the part of its latency that the flag's copy costs. Each mode
 also records one more arrival under the profiler (`timeline`: every kernel and copy of both streams, with its
 start and end), printed for the persistent rows: what the decode pass waits for.
 """
@@ -332,10 +332,8 @@ def section_arrival(layer: Layer, args) -> dict:
         "decode_us": lambda: layer.run("grouped", decode, nd),
         "prefill_us": lambda: layer.run("grouped", prefill, 0),
         "decode_persistent_us": lambda: layer.run("persistent", decode, nd),
-        # the persistent mode's decode pass with nothing to preempt: what raising and lowering the flag costs it
-        "decode_flag_copies_us": lambda: flag_raised_around(
-            unread, lambda: layer.run("persistent", decode, nd)
-        ),
+        # the persistent mode's decode pass with nothing to preempt: what raising the flag costs it
+        "decode_flag_raised_us": lambda: (set_flag(unread, True), layer.run("persistent", decode, nd)),
         "prefill_persistent_us": lambda: layer.run("persistent", prefill, 0),
         "decode_coresident_us": lambda: layer.persistent(decode, nd, num_programs=programs).out_TH,
         "prefill_coresident_us": lambda: layer.persistent(prefill, 0, num_programs=programs).out_TH,
@@ -408,8 +406,8 @@ def arrival_graphs(
 ) -> dict:
     """The replays of one arrival: prefill (a persistent launch with a preemption flag read between `slices`
     slices of its phase-A items, or the grouped path, or a persistent launch of `programs` programs), decode
-    (flag raised, the pass, flag lowered; or the pass alone), and for the persistent mode the resume of the
-    prefill's left tiles (over the buffers the prefill graph captured). Each graph has its own capture stream
+    (flag raised, then the pass; or the pass alone), and for the persistent mode the resume (flag lowered, then
+    the prefill's left tiles over the buffers the prefill graph captured). Each graph has its own capture stream
     (`graphed`)."""
     nd = args.arrival_decode
     if mode in ("streams", "coresident"):
@@ -436,31 +434,31 @@ def arrival_graphs(
         )
 
     def decode_pass() -> None:
-        flag_raised_around(flag, lambda: layer.persistent(decode, nd, **decode_grid))
+        set_flag(flag, True)
+        layer.persistent(decode, nd, **decode_grid)
+
+    def resume_pass() -> None:
+        set_flag(flag, False)  # the resume's, not the decode pass's: its output is done without it
+        layer.persistent(prefill, 0, resume=run)
 
     graphs = {"prefill": graphed(prefill_pass, layer.device, eager=False)}
     run = captured[-1]  # the capture's run: its buffers and done masks are the ones the replays write
     graphs["prefill"]()  # fills them (flag down: the whole pass), so the resume's warm-up reads a real table
     torch.cuda.synchronize()
     graphs["decode"] = graphed(decode_pass, layer.device, eager=False)
-    graphs["resume"] = graphed(lambda: layer.persistent(prefill, 0, resume=run), layer.device, eager=False)
+    graphs["resume"] = graphed(resume_pass, layer.device, eager=False)
     return graphs
 
 
 @functools.cache
-def _pinned_flag_values() -> tuple[torch.Tensor, torch.Tensor]:
-    return tuple(torch.tensor([v], dtype=torch.int32).pin_memory() for v in (1, 0))
+def _pinned_flag_values() -> dict[bool, torch.Tensor]:
+    return {up: torch.tensor([int(up)], dtype=torch.int32).pin_memory() for up in (True, False)}
 
 
-def flag_raised_around(flag: torch.Tensor, fn):
-    """fn() between raising `flag` and lowering it. The flag is written by the copy engine, from pinned host
-    memory: a kernel writing it would wait for an SM slot, and the running persistent programs hold them all
-    until they end."""
-    up, down = _pinned_flag_values()
-    flag.copy_(up, non_blocking=True)
-    out = fn()
-    flag.copy_(down, non_blocking=True)
-    return out
+def set_flag(flag: torch.Tensor, up: bool) -> None:
+    """Raise or lower `flag` in stream order. The copy engine writes it, from pinned host memory: a kernel
+    writing it would wait for an SM slot, and the running persistent programs hold them all until they end."""
+    flag.copy_(_pinned_flag_values()[up], non_blocking=True)
 
 
 def arrival_once(graphs: dict, streams: tuple, args) -> dict[str, float]:
@@ -630,8 +628,8 @@ def print_tables(results: dict) -> None:
             )
         alone = arrival["alone"]
         print(
-            f"decode pass alone, persistent: {alone['decode_persistent_us']:.0f} us; between the flag's two copies: "
-            f"{alone['decode_flag_copies_us']:.0f} us"
+            f"decode pass alone, persistent: {alone['decode_persistent_us']:.0f} us; after raising the flag: "
+            f"{alone['decode_flag_raised_us']:.0f} us"
         )
         for mode, a in (
             (m, a) for m, a in arrival.items() if m.startswith("persistent") and a.get("timeline")
