@@ -358,10 +358,12 @@ if triton is not None:
     @triton.jit
     def _item_runs(w, dec_items, stopped, done_ptr, TRACK: tl.constexpr):
         """Whether item w runs: a decode item always, a prefill item unless the program has seen the flag; under
-        TRACK not if an earlier launch did it."""
+        TRACK not if an earlier launch did it. A stopped program reads no done mask: it only steps through its
+        remaining items (dozens in phase B of an 8k-token prefill), and a memory read at each would hold its SM
+        from the pass that preempted it, whose kernels take the SMs as the stopped programs end."""
         run = (w < dec_items) | (stopped == 0)
         if TRACK:
-            run = run & (tl.load(done_ptr + w) == 0)
+            run = run & (tl.load(done_ptr + w, mask=run, other=1) == 0)
         return run
 
     @triton.jit
@@ -628,8 +630,11 @@ if triton is not None:
             q = w // num_col_blocks
             run = _item_runs(w, dec_items, stopped, done_ptr, TRACK)
             if HAS_FLAG:
+                # a stopped program's items read no block (the reads would hold its SM: `_item_runs`)
                 done_a = tl.load(
-                    done_a_ptr + q * num_col_blocks_a + offs_a, mask=offs_a < num_col_blocks_a, other=1
+                    done_a_ptr + q * num_col_blocks_a + offs_a,
+                    mask=offs_a < tl.where(run, num_col_blocks_a, 0),
+                    other=1,
                 )
                 run = run & (tl.min(done_a, 0) != 0)
             if run:
