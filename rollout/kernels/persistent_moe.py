@@ -358,9 +358,7 @@ if triton is not None:
     @triton.jit
     def _item_runs(w, dec_items, stopped, done_ptr, TRACK: tl.constexpr):
         """Whether item w runs: a decode item always, a prefill item unless the program has seen the flag; under
-        TRACK not if an earlier launch did it. A stopped program reads no done mask: it only steps through its
-        remaining items (dozens in phase B of an 8k-token prefill), and a memory read at each would hold its SM
-        from the pass that preempted it, whose kernels take the SMs as the stopped programs end."""
+        TRACK not if an earlier launch did it (a program that has just stopped reads no done mask)."""
         run = (w < dec_items) | (stopped == 0)
         if TRACK:
             run = run & (tl.load(done_ptr + w, mask=run, other=1) == 0)
@@ -558,31 +556,86 @@ if triton is not None:
         dec_items = tl.load(ends_ptr) * num_col_blocks
         num_items = tl.load(ends_ptr + 1) * num_col_blocks
         stopped = pid * 0
-        for w in range(pid, num_items, tl.num_programs(0)):
-            stopped = _seen_flag(w, dec_items, stopped, flag_ptr, heeds, HAS_FLAG)
-            run = _item_runs(w, dec_items, stopped, done_ptr, TRACK)
-            if run:
-                q = w // num_col_blocks
-                col_block = w % num_col_blocks
-                expert = tl.load(expert_ptr + q)
-                start = tl.load(start_ptr + q)
-                rows = tl.load(rows_ptr + q)
-                gave_up = pid * 0
-                if w < dec_items:
-                    _gate_up_tile(
-                        h_ptr, gate_up_ptr, act_ptr, order_ptr, expert, start, rows, col_block, H, F, TOP_K,
-                        stride_ht, stride_ge, stride_gf, stride_ar, flag_ptr, heeds,
-                        BLOCK_M_DECODE, BLOCK_N, BLOCK_K, 1, PRECISION, UPCAST, TMA,
-                    )  # fmt: skip
-                else:
-                    gave_up = _gate_up_tile(
-                        h_ptr, gate_up_ptr, act_ptr, order_ptr, expert, start, rows, col_block, H, F, TOP_K,
-                        stride_ht, stride_ge, stride_gf, stride_ar, flag_ptr, heeds,
-                        BLOCK_M_PREFILL, BLOCK_N, BLOCK_K, SLICES, PRECISION, UPCAST, TMA,
-                    )  # fmt: skip
-                stopped = stopped | gave_up
-                if TRACK:
-                    tl.store(done_ptr + w, 1 - gave_up)
+        if HAS_FLAG:  # a heeding program that has seen the flag leaves at once (see `_down_kernel`)
+            w = pid
+            while (w < num_items) & (stopped == 0):
+                stopped = _gate_up_item(
+                    w, stopped, dec_items, num_col_blocks, h_ptr, gate_up_ptr, act_ptr, order_ptr, expert_ptr,
+                    start_ptr, rows_ptr, flag_ptr, heeds, done_ptr, H, F, TOP_K,
+                    stride_ht, stride_ge, stride_gf, stride_ar,
+                    BLOCK_M_DECODE, BLOCK_M_PREFILL, BLOCK_N, BLOCK_K, SLICES, HAS_FLAG, TRACK, PRECISION, UPCAST, TMA,
+                )  # fmt: skip
+                w += tl.num_programs(0)
+        else:
+            for w in range(pid, num_items, tl.num_programs(0)):
+                _gate_up_item(
+                    w, stopped, dec_items, num_col_blocks, h_ptr, gate_up_ptr, act_ptr, order_ptr, expert_ptr,
+                    start_ptr, rows_ptr, flag_ptr, heeds, done_ptr, H, F, TOP_K,
+                    stride_ht, stride_ge, stride_gf, stride_ar,
+                    BLOCK_M_DECODE, BLOCK_M_PREFILL, BLOCK_N, BLOCK_K, SLICES, HAS_FLAG, TRACK, PRECISION, UPCAST, TMA,
+                )  # fmt: skip
+
+    @triton.jit
+    def _gate_up_item(
+        w,
+        stopped,
+        dec_items,
+        num_col_blocks,
+        h_ptr,
+        gate_up_ptr,
+        act_ptr,
+        order_ptr,
+        expert_ptr,
+        start_ptr,
+        rows_ptr,
+        flag_ptr,
+        heeds,
+        done_ptr,
+        H,
+        F,
+        TOP_K,
+        stride_ht,
+        stride_ge,
+        stride_gf,
+        stride_ar,
+        BLOCK_M_DECODE: tl.constexpr,
+        BLOCK_M_PREFILL: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SLICES: tl.constexpr,
+        HAS_FLAG: tl.constexpr,
+        TRACK: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+        TMA: tl.constexpr,
+    ):
+        """Phase-A item w of a program whose stop bit is `stopped`; returns the bit after it (set when the flag
+        is seen before the item or while its reduction runs)."""
+        stopped = _seen_flag(w, dec_items, stopped, flag_ptr, heeds, HAS_FLAG)
+        run = _item_runs(w, dec_items, stopped, done_ptr, TRACK)
+        if run:
+            q = w // num_col_blocks
+            col_block = w % num_col_blocks
+            expert = tl.load(expert_ptr + q)
+            start = tl.load(start_ptr + q)
+            rows = tl.load(rows_ptr + q)
+            gave_up = stopped * 0
+            if w < dec_items:
+                _gate_up_tile(
+                    h_ptr, gate_up_ptr, act_ptr, order_ptr, expert, start, rows, col_block, H, F, TOP_K,
+                    stride_ht, stride_ge, stride_gf, stride_ar, flag_ptr, heeds,
+                    BLOCK_M_DECODE, BLOCK_N, BLOCK_K, 1, PRECISION, UPCAST, TMA,
+                )  # fmt: skip
+            else:
+                gave_up = _gate_up_tile(
+                    h_ptr, gate_up_ptr, act_ptr, order_ptr, expert, start, rows, col_block, H, F, TOP_K,
+                    stride_ht, stride_ge, stride_gf, stride_ar, flag_ptr, heeds,
+                    BLOCK_M_PREFILL, BLOCK_N, BLOCK_K, SLICES, PRECISION, UPCAST, TMA,
+                )  # fmt: skip
+            stopped = stopped | gave_up
+            if TRACK:
+                tl.store(done_ptr + w, 1 - gave_up)
+        return stopped
 
     @triton.jit
     def _down_kernel(
@@ -619,43 +672,103 @@ if triton is not None:
         only once all of its tile's phase-A items are done."""
         pid = tl.program_id(0)
         num_col_blocks = tl.cdiv(H, BLOCK_N)
-        num_col_blocks_a = tl.cdiv(F, BLOCK_N)
         dec_items = tl.load(ends_ptr) * num_col_blocks
         num_items = tl.load(ends_ptr + 1) * num_col_blocks
-        offs_a = tl.arange(0, BLOCK_NB_A)
         heeds = pid < heeding
         stopped = pid * 0
-        for w in range(pid, num_items, tl.num_programs(0)):
-            stopped = _seen_flag(w, dec_items, stopped, flag_ptr, heeds, HAS_FLAG)
-            q = w // num_col_blocks
-            run = _item_runs(w, dec_items, stopped, done_ptr, TRACK)
-            if HAS_FLAG:
-                # a stopped program's items read no block (the reads would hold its SM: `_item_runs`)
-                done_a = tl.load(
-                    done_a_ptr + q * num_col_blocks_a + offs_a,
-                    mask=offs_a < tl.where(run, num_col_blocks_a, 0),
-                    other=1,
-                )
-                run = run & (tl.min(done_a, 0) != 0)
-            if run:
-                col_block = w % num_col_blocks
-                expert = tl.load(expert_ptr + q)
-                start = tl.load(start_ptr + q)
-                rows = tl.load(rows_ptr + q)
-                if w < dec_items:
-                    _down_tile(
-                        act_ptr, down_ptr, y_ptr, order_ptr, expert, start, rows, col_block, H, F,
-                        stride_ar, stride_de, stride_dh, stride_yr,
-                        BLOCK_M_DECODE, BLOCK_N, BLOCK_K, PRECISION, UPCAST, TMA,
-                    )  # fmt: skip
-                else:
-                    _down_tile(
-                        act_ptr, down_ptr, y_ptr, order_ptr, expert, start, rows, col_block, H, F,
-                        stride_ar, stride_de, stride_dh, stride_yr,
-                        BLOCK_M_PREFILL, BLOCK_N, BLOCK_K, PRECISION, UPCAST, TMA,
-                    )  # fmt: skip
-                if TRACK:
-                    tl.store(done_ptr + w, 1)
+        if HAS_FLAG:
+            # Once a heeding program has seen the flag it leaves: its remaining items are all prefill items (decode
+            # items come first) that it would only step over, and a preempted pass's later kernels, queued on the
+            # same stream, take the SMs before the pass that preempted it can (stream priority does not reorder
+            # them: an H100 arrival's timeline shows the decode pass's first kernel starting after them).
+            w = pid
+            while (w < num_items) & (stopped == 0):
+                stopped = _down_item(
+                    w, stopped, dec_items, num_col_blocks, act_ptr, down_ptr, y_ptr, order_ptr, expert_ptr,
+                    start_ptr, rows_ptr, flag_ptr, heeds, done_ptr, done_a_ptr, H, F,
+                    stride_ar, stride_de, stride_dh, stride_yr,
+                    BLOCK_M_DECODE, BLOCK_M_PREFILL, BLOCK_N, BLOCK_K, BLOCK_NB_A, HAS_FLAG, TRACK, PRECISION,
+                    UPCAST, TMA,
+                )  # fmt: skip
+                w += tl.num_programs(0)
+        else:
+            for w in range(pid, num_items, tl.num_programs(0)):
+                _down_item(
+                    w, stopped, dec_items, num_col_blocks, act_ptr, down_ptr, y_ptr, order_ptr, expert_ptr,
+                    start_ptr, rows_ptr, flag_ptr, heeds, done_ptr, done_a_ptr, H, F,
+                    stride_ar, stride_de, stride_dh, stride_yr,
+                    BLOCK_M_DECODE, BLOCK_M_PREFILL, BLOCK_N, BLOCK_K, BLOCK_NB_A, HAS_FLAG, TRACK, PRECISION,
+                    UPCAST, TMA,
+                )  # fmt: skip
+
+    @triton.jit
+    def _down_item(
+        w,
+        stopped,
+        dec_items,
+        num_col_blocks,
+        act_ptr,
+        down_ptr,
+        y_ptr,
+        order_ptr,
+        expert_ptr,
+        start_ptr,
+        rows_ptr,
+        flag_ptr,
+        heeds,
+        done_ptr,
+        done_a_ptr,
+        H,
+        F,
+        stride_ar,
+        stride_de,
+        stride_dh,
+        stride_yr,
+        BLOCK_M_DECODE: tl.constexpr,
+        BLOCK_M_PREFILL: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_NB_A: tl.constexpr,
+        HAS_FLAG: tl.constexpr,
+        TRACK: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+        TMA: tl.constexpr,
+    ):
+        """Phase-B item w of a program whose stop bit is `stopped`; returns the bit after the flag read before
+        it. With a flag the item runs only once all of its tile's phase-A items are done."""
+        stopped = _seen_flag(w, dec_items, stopped, flag_ptr, heeds, HAS_FLAG)
+        q = w // num_col_blocks
+        run = _item_runs(w, dec_items, stopped, done_ptr, TRACK)
+        if HAS_FLAG:
+            num_col_blocks_a = tl.cdiv(F, BLOCK_N)
+            offs_a = tl.arange(0, BLOCK_NB_A)
+            done_a = tl.load(
+                done_a_ptr + q * num_col_blocks_a + offs_a,
+                mask=offs_a < tl.where(run, num_col_blocks_a, 0),
+                other=1,
+            )
+            run = run & (tl.min(done_a, 0) != 0)
+        if run:
+            col_block = w % num_col_blocks
+            expert = tl.load(expert_ptr + q)
+            start = tl.load(start_ptr + q)
+            rows = tl.load(rows_ptr + q)
+            if w < dec_items:
+                _down_tile(
+                    act_ptr, down_ptr, y_ptr, order_ptr, expert, start, rows, col_block, H, F,
+                    stride_ar, stride_de, stride_dh, stride_yr,
+                    BLOCK_M_DECODE, BLOCK_N, BLOCK_K, PRECISION, UPCAST, TMA,
+                )  # fmt: skip
+            else:
+                _down_tile(
+                    act_ptr, down_ptr, y_ptr, order_ptr, expert, start, rows, col_block, H, F,
+                    stride_ar, stride_de, stride_dh, stride_yr,
+                    BLOCK_M_PREFILL, BLOCK_N, BLOCK_K, PRECISION, UPCAST, TMA,
+                )  # fmt: skip
+            if TRACK:
+                tl.store(done_ptr + w, 1)
+        return stopped
 
     @triton.jit
     def _combine_kernel(
