@@ -523,7 +523,7 @@ def main() -> None:
     ap.add_argument(
         "--arrival-slices",
         type=int_list,
-        default=[1, 4],
+        default=[1, 2, 4],
         help="persistent arrival mode: slices of a prefill item's reduction between flag reads, one row each",
     )
     ap.add_argument("--sections", type=lambda s: s.split(","), default=["paths", "mixed", "sweep", "arrival"])

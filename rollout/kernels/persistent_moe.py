@@ -115,11 +115,11 @@ PROGRAMS_PER_SM = 2
 # Weight tiles through TMA descriptors (Hopper's bulk copies, what torch._grouped_mm's CUTLASS kernels use) instead
 # of per-thread loads: off until an H100/H200 sweep (bench/rollout_expertplex.py --sweep-tma 0,1) shows it faster.
 TMA = False
-# Slices of a flagged launch's phase-A prefill item, the flag read between them. One: on an H100 an arriving
-# decode pass ran 1.15x its time alone at 1, 2, 4 and 8 slices alike (bench/RESULTS.md, #29 arrival), so its
-# wait is not the running items'; more slices cost prefill ~1% and, at 8, 192 bytes of spills a thread.
-# `--arrival-slices` of bench/rollout_expertplex.py sweeps it.
-PREEMPT_SLICES = 1
+# Slices of a flagged launch's phase-A prefill item, the flag read between them. Two: on an H100 an arriving
+# decode pass ran 1.06x its time alone at 2 and 4 slices, 1.10x at 1 (bench/RESULTS.md, #29 arrival; one
+# call, stopped programs leaving at once); the rest of its wait is not the running items'. At 8 slices phase
+# A spills 192 bytes a thread. `--arrival-slices` of bench/rollout_expertplex.py sweeps it.
+PREEMPT_SLICES = 2
 LAUNCH = {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
 INTERPRETER_PROGRAMS = 4  # the default grid under TRITON_INTERPRET=1 (CPU tensors)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
