@@ -572,9 +572,14 @@ def train(name: str, seed: int, overrides: list[str], args) -> Path:
         return run_dir / "metrics.jsonl"
     cmd = [sys.executable, "-m", "recipes.train", *recipe_overrides]
     print(" ".join(cmd[2:]), flush=True)
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"{name}: recipes.train exited {done.returncode}:\n{done.stderr[-2000:]}")
+    # The run's output goes to a file as it comes, so a run cut by a time limit leaves its log (where the time
+    # went: start-up, warm start, steps) beside its metrics; appended, a resumed run's log follows the cut one's.
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir / "bench_train.log"
+    with log.open("a") as out:
+        code = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT).returncode
+    if code:
+        raise RuntimeError(f"{name}: recipes.train exited {code} ({log}):\n{log.read_text()[-2000:]}")
     return run_dir / "metrics.jsonl"
 
 

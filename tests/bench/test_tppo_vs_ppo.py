@@ -280,6 +280,19 @@ class FinishedProcess:
     returncode = 0
 
 
+def test_a_failed_run_keeps_its_output_in_its_run_directory(tmp_path):
+    args = e2e_args(tmp_path)
+    with pytest.raises(
+        RuntimeError, match=r"ppo_s0: recipes.train exited 2 \(.*bench_train.log\)"
+    ) as err:  # 2: a config error
+        bench.train("ppo_s0", 0, ["algo.window=0"], args)  # refused by the recipe's config check
+    log = (tmp_path / "ppo_s0" / "bench_train.log").read_text()
+    assert "algo.window" in log and "algo.window" in str(err.value)
+    with pytest.raises(RuntimeError):
+        bench.train("ppo_s0", 0, ["algo.window=0"], args)
+    assert (tmp_path / "ppo_s0" / "bench_train.log").read_text() == log + log  # appended, not replaced
+
+
 def test_time_after_the_first_step_leaves_out_its_warm_up():
     c = bench.curve(
         [{"perf/step_s": s, "rollout/reward_mean": r} for s, r in [(30.0, -1.0), (1.0, -0.6), (1.0, -0.2)]],

@@ -249,13 +249,22 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     reference_ranks = cfg.cluster.policy_ranks if cfg.algo.kl_coef else 0
     with ray_session(cfg.cluster), reserve(cfg.cluster, reference_ranks) as placement:
+        # The stages before the first step log their seconds: on a GPU they can take minutes.
+        began = time.perf_counter()
         roles = _start_roles(cfg, placement)
+        _log.info("trainers started in %.1f s", time.perf_counter() - began)
         pool = SamplePool.from_config(cfg.algo, task.dataset, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         state = DriverState(pool, History(), roles.planner)
         resumed = None if point is None else _resume(point, roles, state)
         start = 0 if resumed is None else resumed + 1
         if resumed is None:
+            began = time.perf_counter()
             state.history.warm_start_nll = warm_start(cfg, task, roles.policy)
+            _log.info(
+                "warm start: %d supervised steps in %.1f s",
+                len(state.history.warm_start_nll),
+                time.perf_counter() - began,
+            )
         if roles.reference is not None:
             _freeze_reference(cfg, roles, fresh=resumed is None)
         # The rollout engine starts from the policy's current weights (warm-started or resumed).
