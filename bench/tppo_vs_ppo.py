@@ -42,7 +42,9 @@ per algorithm (median and spread over seeds): the wall clock to reach `--thresho
 the first step, which alone carries the one-time warm-up), the reward at the equal wall clock (the shortest run's
 total), the mean step time and phase shares; plots of reward vs wall clock and decode occupancy per step under
 `--plots`. A run directory under `--run-root` that already holds every step of the same overrides is read, not
-re-run: the seeds of one table may come from several calls.
+re-run: the seeds of one table may come from several calls. `--shared-warm-start` runs the experiment's warm
+start once per seed and starts each algorithm's run from it (a long warm start, countdown_xl's 800 steps, then
+costs one run per seed, not one per run).
 """
 
 from __future__ import annotations
@@ -556,31 +558,57 @@ def train(name: str, seed: int, overrides: list[str], args) -> Path:
     """One training run, as a user launches it; a run directory that exists is resumed by the loop itself, and
     one that already holds every step with the same overrides is read as it is (so the seeds of one table can
     run in separate calls of a time-limited machine)."""
-    recipe_overrides = [
+    warm = shared_warm_start(seed, args) if args.shared_warm_start else []
+    recipe_overrides = recipe(name, seed, args.steps, [*overrides, *warm], args)
+    run_dir = Path(args.run_root) / name
+    if finished_run(run_dir, recipe_overrides, args.steps):
+        print(f"{name}: {run_dir} holds its {args.steps} steps; read, not re-run", flush=True)
+    else:
+        launch(name, recipe_overrides, run_dir)
+    return run_dir / "metrics.jsonl"
+
+
+def shared_warm_start(seed: int, args) -> list[str]:
+    """The overrides that start a run of `seed` from a shared warm start: the experiment's warm start run once,
+    alone (a run of no RL step) and exported as a checkpoint, which the runs load (`model.hf_path`, which also
+    starts the critic's trunk from it) in place of a warm start of their own. An export whose run had the same
+    overrides is reused."""
+    name = f"warm_start_s{seed}"
+    run_dir, overrides = Path(args.run_root) / name, recipe(name, seed, 0, [], args)
+    policy = run_dir / "rollout_init"  # relative as --run-root is (to the repository, the runs' directory)
+    if finished_run(run_dir, overrides, 0) and (policy / "config.json").exists():
+        print(f"{name}: {policy} holds the warm-started policy; reused", flush=True)
+    else:
+        launch(name, overrides, run_dir)
+    return [f"model.hf_path={policy}", "algo.warm_start_steps=0"]
+
+
+def recipe(name: str, seed: int, steps: int, overrides: list[str], args) -> list[str]:
+    """The recipe overrides of one run of the experiment: the bench's, then the command line's, then `overrides`."""
+    return [
         f"experiment={args.experiment}",
         f"run.name={name}",
         f"run.output_dir={args.run_root}",
         f"run.seed={seed}",
-        f"run.num_steps={args.steps}",
+        f"run.num_steps={steps}",
         "logging=disabled",
         *args.overrides,
         *overrides,
     ]
-    run_dir = Path(args.run_root) / name
-    if finished_run(run_dir, recipe_overrides, args.steps):
-        print(f"{name}: {run_dir} holds its {args.steps} steps; read, not re-run", flush=True)
-        return run_dir / "metrics.jsonl"
+
+
+def launch(name: str, recipe_overrides: list[str], run_dir: Path) -> None:
+    """`python -m recipes.train` with these overrides. Its output goes to a file as it comes, so a run cut by a
+    time limit keeps its log (where the time went: start-up, warm start, steps) beside its metrics; appended, a
+    resumed run's log follows the cut one's."""
     cmd = [sys.executable, "-m", "recipes.train", *recipe_overrides]
     print(" ".join(cmd[2:]), flush=True)
-    # The run's output goes to a file as it comes, so a run cut by a time limit leaves its log (where the time
-    # went: start-up, warm start, steps) beside its metrics; appended, a resumed run's log follows the cut one's.
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / "bench_train.log"
     with log.open("a") as out:
         code = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT).returncode
     if code:
         raise RuntimeError(f"{name}: recipes.train exited {code} ({log}):\n{log.read_text()[-2000:]}")
-    return run_dir / "metrics.jsonl"
 
 
 def finished_run(run_dir: Path, recipe_overrides: list[str], steps: int) -> bool:
@@ -814,6 +842,12 @@ def add_e2e_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threshold", type=float, default=-0.2, help="reward whose wall clock is reported")
     ap.add_argument("--smooth", type=int, default=10, help="steps of the trailing mean of the reward")
     ap.add_argument("--overrides", nargs="*", default=[], help="more recipe overrides for every run")
+    ap.add_argument(
+        "--shared-warm-start",
+        action="store_true",
+        help="warm-start the policy once per seed (a run of no RL step) and start every algorithm's run of that "
+        "seed from its export, critic trunk included, instead of a warm start in each run",
+    )
     ap.add_argument("--run-root", default="runs/tppo_vs_ppo")
     ap.add_argument("--plots", default="bench/out/tppo_vs_ppo")
     ap.add_argument("--json", default="bench/out/tppo_vs_ppo_e2e.json")

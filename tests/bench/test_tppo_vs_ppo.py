@@ -280,6 +280,43 @@ class FinishedProcess:
     returncode = 0
 
 
+def test_a_shared_warm_start_runs_once_per_seed_and_every_run_starts_from_it(tmp_path, monkeypatch):
+    args = e2e_args(tmp_path, shared_warm_start=True)
+    launched = []
+
+    def run(
+        cmd, **kw
+    ):  # a launch that writes what the loop would: metrics, overrides, the warm-started policy
+        overrides = cmd[3:]
+        name = next(o.split("=", 1)[1] for o in overrides if o.startswith("run.name="))
+        steps = int(next(o.split("=", 1)[1] for o in overrides if o.startswith("run.num_steps=")))
+        write_run(tmp_path / name, overrides, steps)
+        (tmp_path / name / "rollout_init").mkdir()
+        (tmp_path / name / "rollout_init" / "config.json").write_text("{}")
+        launched.append(overrides)
+        return FinishedProcess()
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    variants = bench.variant_overrides(args)
+    for seed in (0, 1):
+        for name in ("tppo", "ppo"):
+            bench.train(f"{name}_s{seed}", seed, variants[name], args)
+    names = [next(o for o in overrides if o.startswith("run.name=")) for overrides in launched]
+    assert names == [
+        f"run.name={n}" for n in ("warm_start_s0", "tppo_s0", "ppo_s0", "warm_start_s1", "tppo_s1", "ppo_s1")
+    ]
+    warm, tppo = launched[0], launched[1]
+    assert "run.num_steps=0" in warm and not any(o.startswith("model.hf_path=") for o in warm)
+    assert tppo[-2:] == [
+        f"model.hf_path={tmp_path / 'warm_start_s0' / 'rollout_init'}",
+        "algo.warm_start_steps=0",
+    ]
+    assert launched[4][-2] == f"model.hf_path={tmp_path / 'warm_start_s1' / 'rollout_init'}"
+    launched.clear()
+    bench.train("ppo_s0", 0, variants["ppo"], args)  # finished, and so is its warm start: nothing runs
+    assert launched == []
+
+
 def test_a_failed_run_keeps_its_output_in_its_run_directory(tmp_path):
     args = e2e_args(tmp_path)
     with pytest.raises(

@@ -260,11 +260,12 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
         if resumed is None:
             began = time.perf_counter()
             state.history.warm_start_nll = warm_start(cfg, task, roles.policy)
-            _log.info(
-                "warm start: %d supervised steps in %.1f s",
-                len(state.history.warm_start_nll),
-                time.perf_counter() - began,
-            )
+            if state.history.warm_start_nll:
+                _log.info(
+                    "warm start: %d supervised steps in %.1f s",
+                    len(state.history.warm_start_nll),
+                    time.perf_counter() - began,
+                )
         if roles.reference is not None:
             _freeze_reference(cfg, roles, fresh=resumed is None)
         # The rollout engine starts from the policy's current weights (warm-started or resumed).
