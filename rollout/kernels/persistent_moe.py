@@ -40,7 +40,8 @@ Weight tiles are read with per-thread loads, or with `tma=True` through TMA desc
 
 Preemption and resume. With `preempt_flag` (int32, one element in device memory), a program reads the flag
 before each prefill item (one scalar atomic read, broadcast to all of its threads: they agree even while the
-flag changes); once it has seen it nonzero it takes no more prefill items (decode items always run, unread).
+flag changes); once it has seen it nonzero it takes no more prefill items and leaves (decode items come first
+and always run, unread), so the SMs go to the arriving pass's kernels at once.
 Phase A's prefill items are the long ones (a reduction over H, twice: gate and up), so their reduction can run
 in `preempt_slices` slices with the flag read between them: an item that sees it gives itself up, stores nothing
 and stays undone, and the arriving pass waits for a slice rather than a whole item. Such a launch tracks its
