@@ -40,9 +40,10 @@ time, each over its time alone:
 - streams: both passes on the grouped path; the GPU's stream priorities are the only scheduling.
 - persistent: the prefill pass is a persistent launch with a preemption flag; the decode pass raises the flag
   on its stream (a copy from pinned memory: a kernel would wait for an SM the prefill's programs hold) and runs,
-  then the resume lowers the flag and relaunches the prefill's left tiles (`persistent_moe_run(resume=...)`). One row per `--arrival-slices` n: the
-  prefill's phase-A items read the flag between n slices of their reduction and give themselves up when it is
-  up, so the decode pass waits for a slice of the items in flight (one per resident program), not whole items.
+  then the resume lowers the flag and relaunches the prefill's left tiles (`persistent_moe_run(resume=...)`).
+  One row per `--arrival-slices` n: the prefill's phase-A items read the flag between n slices of their
+  reduction and give themselves up when it is up, so the decode pass waits for a slice of the items in flight
+  (one per resident program), not whole items.
 - coresident: both passes persistent, each launched with `--arrival-programs-per-sm` programs per SM (1: half the
   default grid) and no flag, so the GPU can place the decode pass's programs beside the running prefill
   programs on the same SMs: decode reads weights (memory-bound) while prefill multiplies (compute-bound), the

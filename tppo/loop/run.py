@@ -70,12 +70,14 @@ def warm_start(cfg: ExperimentConfig, task: Task, policy: Trainer) -> list[float
         return []
     rng = np.random.default_rng(cfg.run.seed + 7)
     losses = []
+    began = time.perf_counter()
     for _ in progress(range(cfg.algo.warm_start_steps), desc="warm start", enabled=cfg.logging.progress):
         prompts = [task.dataset[int(i)] for i in rng.integers(0, len(task.dataset), cfg.algo.batch_size)]
         samples = [_demo_sample(p, task.demonstrate(p, rng), i) for i, p in enumerate(prompts)]
         split = split_for_ranks(samples, place(len(samples), policy.ranks.size, policy.micro_batch_size))
         batches = [[_sft_batch(ss, ff) for ss, ff in rank] for rank in split]
         losses.append(policy.train(batches, supervised_objective(batches)).loss)
+    _log.info("warm start: %d supervised steps in %.1f s", len(losses), time.perf_counter() - began)
     return losses
 
 
@@ -249,7 +251,7 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     reference_ranks = cfg.cluster.policy_ranks if cfg.algo.kl_coef else 0
     with ray_session(cfg.cluster), reserve(cfg.cluster, reference_ranks) as placement:
-        # The stages before the first step log their seconds: on a GPU they can take minutes.
+        # The trainers' start and the warm start log their seconds: on a GPU they can take minutes.
         began = time.perf_counter()
         roles = _start_roles(cfg, placement)
         _log.info("trainers started in %.1f s", time.perf_counter() - began)
@@ -258,14 +260,7 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
         resumed = None if point is None else _resume(point, roles, state)
         start = 0 if resumed is None else resumed + 1
         if resumed is None:
-            began = time.perf_counter()
             state.history.warm_start_nll = warm_start(cfg, task, roles.policy)
-            if state.history.warm_start_nll:
-                _log.info(
-                    "warm start: %d supervised steps in %.1f s",
-                    len(state.history.warm_start_nll),
-                    time.perf_counter() - began,
-                )
         if roles.reference is not None:
             _freeze_reference(cfg, roles, fresh=resumed is None)
         # The rollout engine starts from the policy's current weights (warm-started or resumed).
