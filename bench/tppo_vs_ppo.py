@@ -44,7 +44,7 @@ total), the mean step time and phase shares; plots of reward vs wall clock and d
 `--plots`. A run directory under `--run-root` that already holds every step of the same overrides is read, not
 re-run: the seeds of one table may come from several calls. `--shared-warm-start` runs the experiment's warm
 start once per seed and starts each algorithm's run from it (a long warm start, countdown_xl's 800 steps, then
-costs one run per seed, not one per run).
+costs one run per seed, not one per run); the warm starts come first, `--warm-start-jobs` of them at a time.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ import time
 import traceback
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -583,6 +584,13 @@ def shared_warm_start(seed: int, args) -> list[str]:
     return [f"model.hf_path={policy}", "algo.warm_start_steps=0"]
 
 
+def warm_starts(args) -> None:
+    """Every seed's shared warm start, `--warm-start-jobs` at a time: they are not timed, so they may share the
+    machine, and every timed run starts after the last of them."""
+    with ThreadPoolExecutor(args.warm_start_jobs) as pool:
+        list(pool.map(partial(shared_warm_start, args=args), args.seeds))
+
+
 def recipe(name: str, seed: int, steps: int, overrides: list[str], args) -> list[str]:
     """The recipe overrides of one run of the experiment: the bench's, then the command line's, then `overrides`."""
     return [
@@ -701,8 +709,17 @@ def spread(values: list[float | None]) -> dict:
 
 
 def e2e_part(args) -> dict:
-    variants = {k: v for k, v in variant_overrides(args).items() if k in args.algos}
+    if args.warm_starts_only and not args.shared_warm_start:
+        raise SystemExit("--warm-starts-only needs --shared-warm-start")
+    known = variant_overrides(args)
+    if unknown := [a for a in args.algos if a not in known]:
+        raise SystemExit(f"--algos: unknown {unknown}; choose from {sorted(known)}")
+    variants = {k: v for k, v in known.items() if k in args.algos}
     curves: dict[str, list[dict]] = {name: [] for name in variants}
+    if args.shared_warm_start:
+        warm_starts(args)
+        if args.warm_starts_only:
+            return {}
     for seed in args.seeds:
         for name, overrides in variants.items():
             rows = read_metrics(train(f"{name}_s{seed}", seed, overrides, args))
@@ -847,6 +864,18 @@ def add_e2e_args(ap: argparse.ArgumentParser) -> None:
         action="store_true",
         help="warm-start the policy once per seed (a run of no RL step) and start every algorithm's run of that "
         "seed from its export, critic trunk included, instead of a warm start in each run",
+    )
+    ap.add_argument(
+        "--warm-start-jobs",
+        type=int,
+        default=1,
+        help="shared warm starts run side by side (they are not timed; the RL runs always run one at a time)",
+    )
+    ap.add_argument(
+        "--warm-starts-only",
+        action="store_true",
+        help="with --shared-warm-start: run the seeds' warm starts and stop (the timed runs may follow in a "
+        "later call of a time-limited machine)",
     )
     ap.add_argument("--run-root", default="runs/tppo_vs_ppo")
     ap.add_argument("--plots", default="bench/out/tppo_vs_ppo")

@@ -7,6 +7,7 @@ import json
 import math
 import statistics
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -315,6 +316,26 @@ def test_a_shared_warm_start_runs_once_per_seed_and_every_run_starts_from_it(tmp
     launched.clear()
     bench.train("ppo_s0", 0, variants["ppo"], args)  # finished, and so is its warm start: nothing runs
     assert launched == []
+
+
+def test_warm_start_jobs_run_the_seeds_warm_starts_side_by_side(tmp_path, monkeypatch):
+    args = e2e_args(tmp_path, shared_warm_start=True, warm_start_jobs=2, seeds=[0, 1])
+    together = threading.Barrier(
+        2, timeout=30
+    )  # broken, and raising, unless both launches are under way at once
+
+    def run(cmd, **kw):
+        together.wait()
+        name = next(o.split("=", 1)[1] for o in cmd[3:] if o.startswith("run.name="))
+        write_run(tmp_path / name, cmd[3:], 0)
+        return FinishedProcess()
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    bench.warm_starts(args)
+    assert sorted(p.parent.name for p in tmp_path.glob("*/metrics.jsonl")) == [
+        "warm_start_s0",
+        "warm_start_s1",
+    ]
 
 
 def test_a_failed_run_keeps_its_output_in_its_run_directory(tmp_path):

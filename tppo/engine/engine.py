@@ -128,6 +128,18 @@ def use_fused_adam(optimizer: torch.optim.Optimizer) -> bool:
     return True
 
 
+def _drop_empty_entries(state: dict) -> dict:
+    """Remove the empty entries a lookup leaves in an optimizer's state (a defaultdict); return the state.
+
+    Megatron reads a parameter's Adam state by indexing it, which adds an empty entry for a parameter that has
+    not stepped; Megatron's load then skips allocating the moments it is about to fill (KeyError 'exp_avg' at
+    the next step; seen at EP 2 on GPUs) and its state_dict looks for a step counter in every entry.
+    """
+    for param in [p for p, entry in state.items() if not entry]:
+        del state[param]
+    return state
+
+
 def _cpu_copy(obj):
     """A copy of a (nested) state dict with every tensor cloned to the CPU: live optimizer state moves on."""
     if isinstance(obj, torch.Tensor):
@@ -880,15 +892,20 @@ class MegatronEngine(TrainSteps):
         if not self.megatron_optimizer:
             return {"torch": _cpu_copy(self.optimizer.state_dict())}
         chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        params = {}
+        params, common = {}, []
         for i, opt in enumerate(chained):
+            # An optimizer that has not stepped yet (the policy during the critic's warm-up) has no Adam state,
+            # and Megatron's state_dict then fails on its missing step counters: only its main params are kept.
+            stepped = any(_drop_empty_entries(opt.optimizer.state))
             for name, p in self._trainable():
                 if p in opt.model_param_group_index_map:
                     tensors = opt._get_main_param_and_optimizer_states(p)
                     params[(i, name)] = {
                         k: v.detach().cpu().clone() for k, v in tensors.items() if isinstance(v, torch.Tensor)
                     }
-        return {"common": [_cpu_copy(o.state_dict()) for o in chained], "params": params}
+            _drop_empty_entries(opt.optimizer.state)
+            common.append(_cpu_copy(opt.state_dict()) if stepped else None)
+        return {"common": common, "params": params}
 
     def _load_optimizer_state(self, state: dict) -> None:
         if not self.megatron_optimizer:
@@ -899,20 +916,18 @@ class MegatronEngine(TrainSteps):
         # fp32 models: Megatron's main params are views of parameters that require grad; copy into them untracked.
         with torch.no_grad():
             for i, opt in enumerate(chained):
-                # Megatron allocates the Adam moments it then fills only when the inner optimizer's state is
-                # empty, but torch keeps that state in a defaultdict: a lookup before any step (the executor
-                # moving a fresh engine's experts to the checkpoint's placement) leaves empty entries behind, and
-                # the moments were never made (KeyError 'exp_avg' at the next step; seen at EP 2 on GPUs).
-                inner = opt.optimizer.state
-                for param in [p for p, entry in inner.items() if not entry]:
-                    del inner[param]
-                opt.load_state_dict(state["common"][i])
-                unshare_adam_steps(opt.optimizer)
-                # A checkpoint saved before the switch to fused Adam brings host step counters.
-                use_fused_adam(opt.optimizer)
+                _drop_empty_entries(opt.optimizer.state)
+                if state["common"][i] is None:  # saved before its first step: it starts again without state
+                    opt.optimizer.state.clear()
+                else:
+                    opt.load_state_dict(state["common"][i])
+                    unshare_adam_steps(opt.optimizer)
+                    # A checkpoint saved before the switch to fused Adam brings host step counters.
+                    use_fused_adam(opt.optimizer)
                 for (j, name), tensors in state["params"].items():
                     if j == i:
                         opt._set_main_param_and_optimizer_states(named[name], tensors)
+                _drop_empty_entries(opt.optimizer.state)
             for opt in chained:
                 opt._copy_main_params_to_model_params()
 

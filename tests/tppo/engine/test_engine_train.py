@@ -258,6 +258,26 @@ def test_state_dict_round_trip_resumes_exactly(ckpt):
         b.load_state_dict({"model": {}})
 
 
+def test_state_dict_before_the_first_step_restores_a_fresh_optimizer(ckpt):
+    """The policy is saved before its first step while the critic warms up; Megatron's optimizer (on a GPU)
+    has no Adam state then. Loading that checkpoint into an engine that has trained must bring back its weights
+    and an optimizer without moments: the next step equals the original engine's."""
+    a, b = _engine(ckpt), _engine(ckpt)
+    sd = a.state_dict()
+    b.train_step([_batch(20)], _nll)
+    b.load_state_dict(sd)
+    assert b.step_count == 0
+    a.train_step([_batch(21)], _nll)
+    b.train_step([_batch(21)], _nll)
+    assert all(torch.equal(t, _params(a)[n]) for n, t in _params(b).items())
+    again = b.state_dict()
+    b.train_step([_batch(22)], _nll)
+    c = _engine(ckpt)
+    c.load_state_dict(again)
+    c.train_step([_batch(22)], _nll)
+    assert all(torch.equal(t, _params(b)[n]) for n, t in _params(c).items())
+
+
 def test_forward_only_engine_holds_no_training_state_and_matches_the_policy(ckpt):
     """The reference policy's engine: the policy's weights and log-probs, but no gradient buffer and no optimizer
     state (a trainable engine keeps fp32 main grads and Adam moments: 16 bytes per parameter more)."""
