@@ -896,7 +896,7 @@ class MegatronEngine(TrainSteps):
         for i, opt in enumerate(chained):
             # An optimizer that has not stepped yet (the policy during the critic's warm-up) has no Adam state,
             # and Megatron's state_dict then fails on its missing step counters: only its main params are kept.
-            stepped = any(_drop_empty_entries(opt.optimizer.state))
+            stepped = len(_drop_empty_entries(opt.optimizer.state)) > 0
             for name, p in self._trainable():
                 if p in opt.model_param_group_index_map:
                     tensors = opt._get_main_param_and_optimizer_states(p)
