@@ -29,6 +29,7 @@ SCRIPTS = {
     ],
     "relibra_floor_milp": ["--ep", "16", "--layers", "0", "--time-limit", "3"],
     "tppo_vs_ppo": ["rollout", "--tiny"],
+    "trainer_microbatches": ["--tiny"],
     "train_backends": [
         "--tiny", "--same-init", "--variants", "megatron,deepspeed_z2,reference_offload", "--steps", "2",
     ],

@@ -178,9 +178,16 @@ def test_a_reference_on_deepspeed_zero3_offload_starts_as_the_megatron_policy(tm
 
 @pytest.fixture(scope="module")
 def t07_exact(tmp_path_factory) -> list[dict]:
-    """One run for two independent settings (rollout.temperature=0.7, algo.bootstrap=exact): its metric rows."""
+    """One run for three independent settings (rollout.temperature=0.7, algo.bootstrap=exact, micro-batches cut
+    by tokens): its metric rows."""
     root = tmp_path_factory.mktemp("t07")
-    args = ("rollout.temperature=0.7", "algo.bootstrap=exact", "algo.critic_warmup_steps=0")
+    args = (
+        "rollout.temperature=0.7",
+        "algo.bootstrap=exact",
+        "algo.critic_warmup_steps=0",
+        "parallel.micro_batch_tokens=96",
+        "parallel.micro_batch_size=16",
+    )
     done = run(train_cmd(root, "t07_exact", *args, "run.num_steps=3"))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (root / "t07_exact" / "metrics.jsonl").read_text().splitlines()]

@@ -78,6 +78,60 @@ def place(num_samples: int, num_ranks: int, micro_batch_size: int) -> Placement:
     )
 
 
+def place_samples(
+    samples: Sequence[Sample], num_ranks: int, micro_batch_size: int, max_tokens: int = 0
+) -> Placement:
+    """`place_by_tokens` over the samples' sequence lengths when max_tokens > 0, else `place`."""
+    if max_tokens:
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        return place_by_tokens(lengths, num_ranks, micro_batch_size, max_tokens)
+    return place(len(samples), num_ranks, micro_batch_size)
+
+
+def place_by_tokens(
+    lengths: Sequence[int], num_ranks: int, micro_batch_size: int, max_tokens: int
+) -> Placement:
+    """Micro-batches cut by length, for long-tailed sequences: padded to their longest row, fixed-count
+    micro-batches of a few long and many short rows are mostly padding, and short rows alone waste launches.
+
+    Samples sorted longest first are dealt round-robin to ranks (near-equal tokens per rank). Each rank cuts its
+    share in that order: a micro-batch takes the next sample while its padded size, rows x its first (longest)
+    row, stays <= max_tokens and its rows <= micro_batch_size; a sample longer than max_tokens is a micro-batch
+    alone. Ranks short of the largest count split their micro-batches of most rows in two, and only a rank with
+    fewer samples than micro-batches gets fillers.
+    """
+    if num_ranks < 1 or micro_batch_size < 1 or max_tokens < 1:
+        raise ValueError(
+            f"num_ranks={num_ranks}, micro_batch_size={micro_batch_size} and max_tokens={max_tokens} must be >= 1"
+        )
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    cuts = [
+        _cut_by_tokens(order[r::num_ranks], lengths, micro_batch_size, max_tokens) for r in range(num_ranks)
+    ]
+    num_mb = max(1, max(len(c) for c in cuts))
+    for chunks in cuts:
+        while len(chunks) < num_mb and max((len(c) for c in chunks), default=0) > 1:
+            i = max(range(len(chunks)), key=lambda j: len(chunks[j]))
+            half = -(-len(chunks[i]) // 2)
+            chunks[i : i + 1] = [chunks[i][:half], chunks[i][half:]]
+        chunks += [()] * (num_mb - len(chunks))
+    return Placement(tuple(tuple(chunks) for chunks in cuts))
+
+
+def _cut_by_tokens(
+    share: Sequence[int], lengths: Sequence[int], micro_batch_size: int, max_tokens: int
+) -> list[tuple[int, ...]]:
+    """`share` (longest first) in order, into micro-batches of rows x longest <= max_tokens."""
+    chunks: list[tuple[int, ...]] = []
+    for i in share:
+        last = chunks[-1] if chunks else ()
+        if last and len(last) < micro_batch_size and (len(last) + 1) * int(lengths[last[0]]) <= max_tokens:
+            chunks[-1] = (*last, int(i))
+        else:
+            chunks.append((int(i),))
+    return chunks
+
+
 def update_schedule(
     num_microbatches: int, mini_batches: int, epochs: int, rng: np.random.Generator
 ) -> list[list[int]]:
@@ -101,6 +155,14 @@ def update_schedule(
         order = rng.permutation(num_microbatches)
         steps += [[int(m) for m in chunk] for chunk in np.array_split(order, k)]
     return steps
+
+
+def padding_fraction(batches: Sequence[Sequence[TrainBatch]]) -> float:
+    """Share of the trainer positions of every rank's micro-batches (rows x longest row, summed) that are right
+    padding: compute that placing rows of similar lengths together (`place_by_tokens`) saves."""
+    area = sum(b.shape[0] * b.shape[1] for rank in batches for b in rank)
+    real = sum(int(b.valid_BT().sum()) for rank in batches for b in rank)
+    return 1.0 - real / area if area else 0.0
 
 
 def select_microbatches(

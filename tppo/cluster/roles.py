@@ -27,7 +27,7 @@ from rollout.engine import GenerateStats
 from rollout.model_spec import MoeModelSpec
 from rollout.params import SamplingParams
 from rollout.worker import RolloutWorker, WorkerInfo
-from tppo.algo.batching import Placement, critic_batch, place, policy_batch, split_for_ranks
+from tppo.algo.batching import Placement, critic_batch, place_samples, policy_batch, split_for_ranks
 from tppo.algo.pool import Sample
 from tppo.cluster.placement import Reservation
 from tppo.cluster.workers import ExecutorSpec, RankSpec, TrainerWorker
@@ -360,13 +360,14 @@ class Trainer:
     temperature: float = (
         1.0  # of the policy's log-probs: the rollout's (tppo.algo.batching.logprob_temperature)
     )
+    micro_batch_tokens: int = 0  # > 0: micro-batches cut by length (tppo.algo.batching.place_by_tokens)
 
-    def placement(self, num_samples: int) -> Placement:
-        return place(num_samples, self.ranks.size, self.micro_batch_size)
+    def placement(self, samples: Sequence[Sample]) -> Placement:
+        return place_samples(samples, self.ranks.size, self.micro_batch_size, self.micro_batch_tokens)
 
     def policy_batches(self, samples: Sequence[Sample], advantages: Sequence[np.ndarray]) -> RankBatches:
         adv = {s.uid: a for s, a in zip(samples, advantages)}
-        split = split_for_ranks(samples, self.placement(len(samples)))
+        split = split_for_ranks(samples, self.placement(samples))
         return [
             [
                 policy_batch(ss, ff, [adv[s.uid] for s in ss], self.routing, self.temperature)
@@ -377,7 +378,7 @@ class Trainer:
 
     def critic_batches(self, samples: Sequence[Sample], gamma: float = 1.0) -> RankBatches:
         """The critic's micro-batches, its targets the returns discounted by `gamma`."""
-        split = split_for_ranks(samples, self.placement(len(samples)))
+        split = split_for_ranks(samples, self.placement(samples))
         return [[critic_batch(ss, ff, self.routing, gamma) for ss, ff in rank] for rank in split]
 
     def forward(
@@ -389,7 +390,7 @@ class Trainer:
     def values(self, samples: Sequence[Sample]) -> Values:
         """The critic's values of each sample's sequence, in the samples' order."""
         outs = self.forward(self.critic_batches(samples))
-        return _values(outs, self.placement(len(samples)), len(samples))
+        return _values(outs, self.placement(samples), len(samples))
 
     def stage(self, batches: RankBatches) -> None:
         """Send this step's micro-batches to the ranks, which keep them for the calls below and the update."""

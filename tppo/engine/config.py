@@ -44,7 +44,15 @@ class ParallelConfig:
     expert_parallel: int = spec(1, ge=1)
     sequence_parallel: bool = False
     recompute: bool = spec(False, help="activation recompute of whole layers")
-    micro_batch_size: int = spec(4, ge=1, help="sequences per micro-batch")
+    micro_batch_size: int = spec(
+        4, ge=1, help="sequences per micro-batch (the most, with micro_batch_tokens)"
+    )
+    micro_batch_tokens: int = spec(
+        0,
+        ge=0,
+        help="> 0: micro-batches of sequences of similar length, each at most this many padded tokens (rows x "
+        "longest row); 0: micro_batch_size sequences each in sample order",
+    )
 
 
 @dataclass

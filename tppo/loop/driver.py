@@ -22,7 +22,7 @@ from typing import Any
 
 from rollout.engine import GenerateStats
 from rollout.params import SamplingParams
-from tppo.algo.batching import select_microbatches, update_schedule
+from tppo.algo.batching import padding_fraction, select_microbatches, update_schedule
 from tppo.algo.config import AlgoConfig
 from tppo.algo.objectives import policy_objective, value_objective
 from tppo.algo.pool import Sample, SamplePool
@@ -234,7 +234,10 @@ def update_policy(
     fused = cfg.algo.old_logprobs_from_update
     # R2: the trainer's own pass records the experts the update then replays.
     record = cfg.algo.routing_replay == "r2"
-    metrics: dict[str, float] = {}
+    metrics = {
+        "tppo/microbatches": float(len(policy_in[0])),
+        "tppo/padding_fraction": padding_fraction(policy_in),
+    }
     with timer("policy_update" if fused else "old_logprobs"):
         roles.policy.stage(policy_in)  # the ranks keep the step's micro-batches until the update
         if not fused:

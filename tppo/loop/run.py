@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tppo.algo.batching import logprob_temperature, place, policy_batch, split_for_ranks
+from tppo.algo.batching import logprob_temperature, policy_batch, split_for_ranks
 from tppo.algo.objectives import supervised_objective
 from tppo.algo.pool import Sample, SamplePool
 from tppo.base import checkpoint
@@ -74,7 +74,7 @@ def warm_start(cfg: ExperimentConfig, task: Task, policy: Trainer) -> list[float
     for _ in progress(range(cfg.algo.warm_start_steps), desc="warm start", enabled=cfg.logging.progress):
         prompts = [task.dataset[int(i)] for i in rng.integers(0, len(task.dataset), cfg.algo.batch_size)]
         samples = [_demo_sample(p, task.demonstrate(p, rng), i) for i, p in enumerate(prompts)]
-        split = split_for_ranks(samples, place(len(samples), policy.ranks.size, policy.micro_batch_size))
+        split = split_for_ranks(samples, policy.placement(samples))
         batches = [[_sft_batch(ss, ff) for ss, ff in rank] for rank in split]
         losses.append(policy.train(batches, supervised_objective(batches)).loss)
     _log.info("warm start: %d supervised steps in %.1f s", len(losses), time.perf_counter() - began)
@@ -315,6 +315,7 @@ def _loop(
 
 def _start_roles(cfg: ExperimentConfig, placement: Reservation) -> Roles:
     c, mbs, routing = cfg.cluster, cfg.parallel.micro_batch_size, cfg.algo.routing_replay == "r3"
+    tokens = cfg.parallel.micro_batch_tokens
 
     def trainers(role: str, parallel: ParallelConfig, num_ranks: int, **kwargs: Any) -> Any:
         optim = cfg.algo.critic_optim if role == "critic" else cfg.algo.actor_optim
@@ -338,12 +339,17 @@ def _start_roles(cfg: ExperimentConfig, placement: Reservation) -> Roles:
         mbs,
         routing,
         temperature,
+        tokens,
     )
-    critic = Trainer(trainers("critic", critic_parallel(cfg), c.critic_ranks), mbs, False)
+    critic = Trainer(
+        trainers("critic", critic_parallel(cfg), c.critic_ranks), mbs, False, micro_batch_tokens=tokens
+    )
     planner = LoadPlanner(cfg.relibra, cfg.model, policy.router_layout()) if relibra_applies(cfg) else None
     reference = None
     if cfg.algo.kl_coef:
-        reference = Trainer(trainers("reference", cfg.parallel, c.policy_ranks), mbs, routing, temperature)
+        reference = Trainer(
+            trainers("reference", cfg.parallel, c.policy_ranks), mbs, routing, temperature, tokens
+        )
     return Roles(policy=policy, critic=critic, planner=planner, reference=reference)
 
 

@@ -11,7 +11,16 @@ import torch
 
 from rollout import synthetic
 from tppo.algo.advantages import egae, length_adaptive_lambda, postprocess_advantages
-from tppo.algo.batching import critic_batch, place, policy_batch, split_for_ranks, update_schedule
+from tppo.algo.batching import (
+    critic_batch,
+    padding_fraction,
+    place,
+    place_by_tokens,
+    place_samples,
+    policy_batch,
+    split_for_ranks,
+    update_schedule,
+)
 from tppo.algo.config import AlgoConfig
 from tppo.algo.pool import Sample
 from tppo.algo.stages import (
@@ -48,6 +57,60 @@ def test_placement_covers_every_sample_once_with_equal_microbatch_counts(n, rank
     assert seen == list(range(n))
     assert len({len(rank) for rank in p.rows}) == 1
     assert all(len(mb) <= mbs for rank in p.rows for mb in rank)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "ranks", "mbs", "max_tokens", "want"),
+    [
+        # longest first; a micro-batch grows while rows x its longest row <= 20
+        ([10, 9, 3, 3, 2, 1], 1, 8, 20, (((0, 1), (2, 3, 4, 5)),)),
+        ([10, 9, 3, 3, 2, 1], 1, 3, 20, (((0, 1), (2, 3, 4), (5,)),)),
+        # dealt longest first round-robin: rank 0 gets 10, 3, 2 and rank 1 gets 9, 3, 1
+        ([10, 9, 3, 3, 2, 1], 2, 8, 20, (((0, 2), (4,)), ((1, 3), (5,)))),
+        # rank 1's one micro-batch (50 + 5 = 2 x 50) is split to match rank 0's two
+        ([100, 10, 50, 5], 2, 8, 100, (((0,), (1,)), ((2,), (3,)))),
+        # a rank with fewer samples than micro-batches gets a filler; a row longer than the budget is alone
+        ([100, 100, 5], 2, 8, 60, (((0,), (2,)), ((1,), ()))),
+    ],
+)
+def test_token_budget_placement_groups_similar_lengths_within_the_budget(
+    lengths, ranks, mbs, max_tokens, want
+):
+    assert place_by_tokens(lengths, ranks, mbs, max_tokens).rows == want
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_token_budget_placement_covers_every_sample_once_within_its_limits(seed):
+    rng = np.random.default_rng(seed)
+    lengths = np.exp(rng.normal(3, 1.2, int(rng.integers(1, 60)))).astype(int) + 1
+    ranks, mbs, max_tokens = int(rng.integers(1, 4)), int(rng.integers(1, 9)), int(rng.integers(20, 400))
+    p = place_by_tokens(lengths, ranks, mbs, max_tokens)
+    assert sorted(i for rank in p.rows for mb in rank for i in mb) == list(range(len(lengths)))
+    assert len({len(rank) for rank in p.rows}) == 1
+    for rank in p.rows:
+        for mb in rank:
+            assert len(mb) <= mbs
+            assert len(mb) <= 1 or len(mb) * max(lengths[i] for i in mb) <= max_tokens
+
+
+def test_samples_are_placed_by_their_sequence_lengths_when_a_token_budget_is_set():
+    samples = [_sample(str(i), [1, 2], [], [3] * n) for i, n in enumerate((1, 8, 2))]  # lengths 3, 10, 4
+    assert place_samples(samples, 1, 4).rows == place(3, 1, 4).rows == (((0, 1, 2),),)
+    assert place_samples(samples, 1, 4, max_tokens=10).rows == (((1,), (2, 0)),)
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        place_by_tokens([3], 1, 4, 0)
+
+
+def test_padding_fraction_counts_the_right_padding_of_every_micro_batch():
+    short, long, mid = (
+        _sample(str(i), [1, 2], [], [3] * n) for i, n in enumerate((1, 8, 2))
+    )  # 3, 10, 4 tokens
+    together = [[critic_batch([short, long, mid], [False] * 3, routing=False)]]
+    assert padding_fraction(together) == pytest.approx(1 - 17 / 30)
+    apart = [
+        [critic_batch([long], [False], routing=False), critic_batch([mid, short], [False] * 2, routing=False)]
+    ]
+    assert padding_fraction(apart) == pytest.approx(1 - 17 / 18)
 
 
 def test_policy_batch_masks_the_current_window_only():
