@@ -339,7 +339,7 @@ def _start_roles(cfg: ExperimentConfig, placement: Reservation) -> Roles:
         mbs,
         routing,
         temperature,
-        tokens,
+        micro_batch_tokens=tokens,
     )
     critic = Trainer(
         trainers("critic", critic_parallel(cfg), c.critic_ranks), mbs, False, micro_batch_tokens=tokens
@@ -348,7 +348,11 @@ def _start_roles(cfg: ExperimentConfig, placement: Reservation) -> Roles:
     reference = None
     if cfg.algo.kl_coef:
         reference = Trainer(
-            trainers("reference", cfg.parallel, c.policy_ranks), mbs, routing, temperature, tokens
+            trainers("reference", cfg.parallel, c.policy_ranks),
+            mbs,
+            routing,
+            temperature,
+            micro_batch_tokens=tokens,
         )
     return Roles(policy=policy, critic=critic, planner=planner, reference=reference)
 
