@@ -352,14 +352,17 @@ def test_a_failed_run_keeps_its_output_in_its_run_directory(tmp_path):
 
 
 def test_time_after_the_first_step_leaves_out_its_warm_up():
+    steps = [(30.0, 28.0, -1.0), (1.0, 0.25, -0.6), (2.0, 1.0, -0.2), (1.5, 0.5, -0.2)]
     c = bench.curve(
-        [{"perf/step_s": s, "rollout/reward_mean": r} for s, r in [(30.0, -1.0), (1.0, -0.6), (1.0, -0.2)]],
-        smooth=1,
+        [{"perf/step_s": s, "perf/rollout_s": ro, "rollout/reward_mean": r} for s, ro, r in steps], smooth=1
     )
     reached = bench.time_to(c, -0.5)
-    assert reached == pytest.approx(32.0)
-    assert bench.after_first_step(c, reached) == pytest.approx(2.0)
+    assert reached == pytest.approx(33.0)
+    assert bench.after_first_step(c, reached) == pytest.approx(3.0)
     assert bench.after_first_step(c, bench.time_to(c, 0.5)) is None
+    # the step time and phase shares are of the steps after the warm-up, which is reported apart
+    assert c["first_step_s"] == 30.0 and c["step_s_median"] == 1.5
+    assert c["phase_share"]["rollout"] == pytest.approx(1.75 / 4.5)
 
 
 def test_a_threshold_counts_once_the_smoothing_window_is_full():
