@@ -20,21 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
+from rollout_decode import median_ms
 
-from tppo.algo.batching import (
-    Placement,
-    padding_fraction,
-    place,
-    place_by_tokens,
-    policy_batch,
-    split_for_ranks,
-)
+from tppo.algo.batching import Placement, padding_fraction, place_samples, policy_batch, split_for_ranks
 from tppo.algo.config import AlgoConfig
 from tppo.algo.objectives import policy_objective
 from tppo.algo.pool import Sample
@@ -64,32 +56,17 @@ def make_samples(num: int, max_length: int, vocab: int, rng: np.random.Generator
 
 
 def layouts(samples: list[Sample], micro_batch_size: int, budgets: list[int]) -> dict[str, Placement]:
-    lengths = [PROMPT_TOKENS + len(s.response_ids) for s in samples]
-    out = {f"{micro_batch_size} rows in sample order": place(len(samples), 1, micro_batch_size)}
+    out = {f"{micro_batch_size} rows in sample order": place_samples(samples, 1, micro_batch_size)}
     for budget in budgets:
-        out[f"<= {budget} padded tokens"] = place_by_tokens(lengths, 1, len(samples), budget)
+        out[f"<= {budget} padded tokens"] = place_samples(samples, 1, len(samples), budget)
     return out
-
-
-def timed(fn: Callable[[], object], cuda: bool) -> float:
-    """Milliseconds of one call."""
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def run(args) -> dict:
     rng = np.random.default_rng(args.seed)
     model = ModelConfig(vocab_size=args.vocab, max_position_embeddings=args.max_length + 80)
     engine = MegatronEngine(model, ParallelConfig(), OptimConfig(lr=1e-6), seed=args.seed)
-    cuda = engine.cuda
+    device = engine.groups.device
     samples = make_samples(args.samples, args.max_length, args.vocab, rng)
     advantages = [rng.normal(size=len(s.response_ids)) for s in samples]
     cases = {}
@@ -102,8 +79,9 @@ def run(args) -> dict:
     ms: dict[str, dict[str, list[float]]] = {n: {"update": [], "forward": []} for n in cases}
     for rep in range(args.reps + 1):  # the first round warms up
         for name, (batches, objective) in cases.items():
-            update = timed(lambda b=batches, o=objective: engine.train_step(b[0], o), cuda)
-            forward = timed(lambda b=batches: engine.forward(b[0]), cuda)
+            # one call each, layouts interleaved: drift over the run hits every layout alike
+            update = median_ms(device, lambda b=batches, o=objective: engine.train_step(b[0], o), 0, 1)
+            forward = median_ms(device, lambda b=batches: engine.forward(b[0]), 0, 1)
             if rep:
                 ms[name]["update"].append(update)
                 ms[name]["forward"].append(forward)
@@ -119,8 +97,8 @@ def run(args) -> dict:
                 "forward_ms": statistics.median(ms[name]["forward"]),
             }
         )
-    device = torch.cuda.get_device_name() if cuda else "cpu"
-    return {"args": vars(args), "device": device, "rows": rows}
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    return {"args": vars(args), "device": name, "rows": rows}
 
 
 def print_table(results: dict) -> None:
