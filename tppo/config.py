@@ -188,6 +188,12 @@ def _cluster_rules(c: ExperimentConfig) -> str | None:
             f"with the trainers (cluster.placement={cl.placement}, cluster.offload={cl.offload}); set "
             "cluster.placement=separate or cluster.offload=off"
         )
+    if cl.overlap_updates and cl.time_shared:
+        return (
+            "cluster.overlap_updates=true needs roles that do not time-share devices (the critic offloads after its "
+            f"update to make room for the policy's; cluster.placement={cl.placement}, cluster.offload="
+            f"{cl.offload}): set cluster.offload=off or cluster.placement=separate"
+        )
     if cl.num_nodes > 1 and gpus and cl.policy_ranks % cl.num_nodes:
         return f"cluster.policy_ranks={cl.policy_ranks} cannot be spread evenly over cluster.num_nodes={cl.num_nodes}"
     # An EP group smaller than a node lives inside one node; a larger one must span whole nodes.

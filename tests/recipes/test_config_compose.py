@@ -121,6 +121,14 @@ def test_old_logprobs_from_the_update_refuse_updates_of_several_steps_and_r2(ove
         compose("train", overrides)
 
 
+def test_overlapped_updates_need_roles_that_do_not_time_share_devices():
+    assert compose("train", ["cluster.overlap_updates=true"]).cluster.overlap_updates
+    with pytest.raises(
+        ConfigError, match=r"cluster.overlap_updates=true needs roles that do not time-share .*offload=on"
+    ):
+        compose("train", ["cluster.overlap_updates=true", "cluster.offload=on"])
+
+
 def test_old_logprobs_auto_come_from_a_one_step_update_without_r2():
     assert compose("train", []).algo.old_logprobs_from_update
     assert compose("train", ["algo.old_logprobs=update"]).algo.old_logprobs_from_update

@@ -37,6 +37,13 @@ class ClusterConfig:
         "saves each step's offload, engine wake and CUDA-graph re-capture",
     )
 
+    overlap_updates: bool = spec(
+        False,
+        help="run the critic's update at the same time as the policy's (old log-probs, update, weight sync): they "
+        "do not read each other. Needs roles that do not time-share devices (the critic offloads after its update "
+        "to make room for the policy's)",
+    )
+
     @property
     def rollout_ranks(self) -> int:
         """Rollout processes: the engines, and in the disaggregated layout the expert workers."""

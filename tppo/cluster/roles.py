@@ -83,15 +83,22 @@ class RankGroup:
     ) -> list[Any]:
         """Run the worker method `method` (e.g. `TrainerWorker.offload`) on every rank, with per-rank arguments
         or the same `args`, and wait for all."""
+        return self.submit(method, per_rank, *args).result()
+
+    def submit(
+        self, method: Callable[..., Any], per_rank: Sequence[tuple] | None = None, *args: Any
+    ) -> PendingCall:
+        """`call` without the wait: the ranks run `method` while the driver goes on (in-process ranks run it
+        here, before this returns). A rank runs its calls in the order they were made."""
         name = method.__name__
         arg_lists = list(per_rank) if per_rank is not None else [args] * self.size
         if not self.remote:
-            return [getattr(h, name)(*a) for h, a in zip(self.handles, arg_lists)]
-        import ray
-
-        refs = [getattr(h, name).remote(*a) for h, a in zip(self.handles, arg_lists)]
-        with self._role_errors(name):
-            return ray.get(refs, timeout=CALL_TIMEOUT_S)
+            return PendingCall(
+                self, name, values=[getattr(h, name)(*a) for h, a in zip(self.handles, arg_lists)]
+            )
+        return PendingCall(
+            self, name, refs=[getattr(h, name).remote(*a) for h, a in zip(self.handles, arg_lists)]
+        )
 
     def stream(self, method: Callable[..., Iterator[Any]], *args: Any) -> Iterator[Any]:
         """Run the generator method `method` (e.g. `TrainerWorker.hf_weights`) on every rank and yield rank 0's
@@ -151,6 +158,39 @@ class RankGroup:
         actor_id = getattr(err, "actor_id", None)
         ids = [h._actor_id.hex() for h in self.handles]  # a Ray ActorHandle keeps its id there
         return f"{self.name} rank {ids.index(actor_id)}" if actor_id in ids else f"a {self.name} rank"
+
+
+@dataclass
+class PendingCall:
+    """A call running on every rank of a group (`RankGroup.submit`): Ray object refs, or the in-process ranks'
+    results."""
+
+    group: RankGroup
+    name: str
+    refs: list[Any] | None = None
+    values: list[Any] | None = None
+
+    def result(self) -> list[Any]:
+        """Every rank's result, in rank order, once all are done (each waits at most CALL_TIMEOUT_S); a failed or
+        dead rank raises a RoleError that names it."""
+        if self.refs is None:
+            return self.values
+        import ray
+
+        with self.group._role_errors(self.name):
+            return ray.get(self.refs, timeout=CALL_TIMEOUT_S)
+
+
+@dataclass
+class PendingUpdate:
+    """A trainer's update in flight (`Trainer.update`)."""
+
+    call: PendingCall
+
+    def result(self) -> list[StepResult]:
+        """Rank 0's result of each optimizer step (losses and norms are reduced over the ranks), once every rank
+        is done."""
+        return self.call.result()[0]
 
 
 def _failed_input(err: Exception, name: str) -> str | None:
@@ -416,7 +456,7 @@ class Trainer:
     ) -> StepResult:
         """One optimizer step on every rank over `batches` (None: those staged), under ReLibra's `plan` when
         given; the result of rank 0 (losses and norms are reduced over the ranks)."""
-        return self.update(batches, [objective], None, plan, loads_MLSE)[0]
+        return self.update(batches, [objective], None, plan, loads_MLSE).result()[0]
 
     def update(
         self,
@@ -426,16 +466,16 @@ class Trainer:
         plan: Plan | None = None,
         loads_MLSE: np.ndarray | None = None,
         old_from_update: bool = False,
-    ) -> list[StepResult]:
-        """One optimizer step per entry of `schedule` (micro-batch indices, the same on every rank; None: one step
-        over all) with the matching objective; rank 0's result of each step. ReLibra's `plan` places the experts
-        once; the ReLibra metrics and `plan_applied` ride on the last step's result. With `old_from_update` the
-        update's forward gives the old log-probs (`TrainerWorker.train`) and their mismatch metrics ride there
-        too."""
+    ) -> PendingUpdate:
+        """Start one optimizer step per entry of `schedule` (micro-batch indices, the same on every rank; None: one
+        step over all) with the matching objective, after staging `batches` (None: those staged); the ranks run it
+        while the driver goes on. ReLibra's `plan` places the experts once; the ReLibra metrics and `plan_applied`
+        ride on the last step's result. With `old_from_update` the update's forward gives the old log-probs
+        (`TrainerWorker.train`) and their mismatch metrics ride there too."""
         if batches is not None:
             self.stage(batches)
         args = (list(objectives), schedule, plan, loads_MLSE, old_from_update)
-        return self.ranks.call(TrainerWorker.train, None, *args)[0]
+        return PendingUpdate(self.ranks.submit(TrainerWorker.train, None, *args))
 
     def router_layout(self) -> RouterLayout:
         return self.ranks.call(TrainerWorker.router_layout)[0]

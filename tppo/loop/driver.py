@@ -5,6 +5,9 @@
     (finished only) -> old log-probs -> policy update (routing replay, under the plan) -> weight sync to the
     rollout engine -> put back, metrics, checkpoint on schedule
 
+The critic's update and the policy's are independent within a step (the advantages come from the values before
+either); with cluster.overlap_updates they run at the same time, on their own ranks.
+
 Colocated roles time-share the devices (cluster.time_shared): the trainers offload before generation, the
 rollout engine sleeps after it and the critic offloads after its update; a role's next call brings it back.
 
@@ -101,11 +104,16 @@ def learn(
     policy_in = roles.policy.policy_batches(batch, adv)
     updates_policy = step >= cfg.algo.critic_warmup_steps
     planning = start_plan(roles, policy_in) if updates_policy and cfg.algo.routing_replay == "r3" else None
-    metrics |= update_critic(roles.critic, [s for s in batch if s.finished], cfg, step, timer)
+    finish_critic = start_critic_update(roles.critic, [s for s in batch if s.finished], cfg, step, timer)
+    overlap = cfg.cluster.overlap_updates
+    if not overlap:
+        metrics |= finish_critic()
     if updates_policy:
         metrics |= update_policy(roles, policy_in, planning, cfg, step, timer)
         with timer("weight_sync"):
             sync_weights(roles, cfg)
+    if overlap:
+        metrics |= finish_critic()
     return metrics
 
 
@@ -203,21 +211,30 @@ def engine_metrics(stats: list[GenerateStats]) -> dict[str, float]:
     }
 
 
-def update_critic(
+def start_critic_update(
     critic: Trainer, finished: list[Sample], cfg: ExperimentConfig, step: int, timer: PhaseTimer
-) -> dict[str, float]:
-    """The critic's update on the finished responses (discounted Monte-Carlo targets), algo.mini_batches x
-    algo.epochs optimizer steps; nothing when none finished."""
+) -> Callable[[], dict[str, float]]:
+    """Start the critic's update on the finished responses (discounted Monte-Carlo targets), algo.mini_batches x
+    algo.epochs optimizer steps; returns the wait for its metrics (empty when none finished). The policy's update
+    does not read the critic, so with cluster.overlap_updates the driver waits only after the policy's update
+    and weight sync: perf/critic_update_s is then the part of the step the critic added (building and sending its
+    micro-batches, and the wait)."""
     if not finished:
-        return {}
+        return dict
     with timer("critic_update"):
         critic_in = critic.critic_batches(finished, cfg.algo.gamma)
         schedule, objectives = optimizer_steps(critic_in, value_objective, cfg, step, "critic")
-        metrics = update_metrics("critic", critic.update(critic_in, objectives, schedule))
-    if cfg.cluster.time_shared:
-        with timer("offload"):
-            critic.offload()
-    return metrics
+        running = critic.update(critic_in, objectives, schedule)
+
+    def finish() -> dict[str, float]:
+        with timer("critic_update"):
+            metrics = update_metrics("critic", running.result())
+        if cfg.cluster.time_shared:
+            with timer("offload"):
+                critic.offload()
+        return metrics
+
+    return finish
 
 
 def update_policy(
@@ -253,7 +270,7 @@ def update_policy(
     with timer("policy_update"):
         schedule, objectives = optimizer_steps(policy_in, policy_objective, cfg, step, "policy")
         loads = step_plan.loads_MLSE if plan is not None else None
-        results = roles.policy.update(None, objectives, schedule, plan, loads, old_from_update=fused)
+        results = roles.policy.update(None, objectives, schedule, plan, loads, old_from_update=fused).result()
         metrics |= update_metrics("tppo", results)
     if step_plan is not None:
         metrics |= step_plan.metrics

@@ -34,6 +34,17 @@ class _Fragile:
     def die(self) -> None:
         os._exit(1)
 
+    def wait_for(self, path: str) -> bool:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def touch(self, path: str) -> None:
+        open(path, "w").close()
+
     def die_if(self, me: bool) -> None:
         if me:
             os._exit(1)
@@ -69,6 +80,22 @@ def test_the_death_message_names_the_role_and_the_rank_that_died():
     message = str(err.value)
     assert message.startswith(f"critic rank 1 died during die_if() (pid {pids[1]}; ")
     assert len(message.splitlines()) == 1
+
+
+def test_a_submitted_call_runs_while_the_driver_calls_another_role(tmp_path):
+    import ray
+
+    with ray_session(ClusterConfig(object_store_mb=100, cpus_per_node=2)):
+        critic = RankGroup("critic", [ray.remote(num_cpus=0.01)(_Fragile).remote() for _ in range(2)], True)
+        policy = RankGroup("policy", [ray.remote(num_cpus=0.01)(_Fragile).remote()], True)
+        flag = str(tmp_path / "policy_ran")
+        # the critic's ranks finish only once the policy has run: a submit that waited would time out here
+        running = critic.submit(_Fragile.wait_for, None, flag)
+        policy.call(_Fragile.touch, None, flag)
+        assert running.result() == [True, True]
+        dying = critic.submit(_Fragile.die_if, [(rank == 1,) for rank in range(2)])
+        with pytest.raises(RoleError, match=r"^critic rank 1 died during die_if\(\)"):
+            dying.result()
 
 
 def _sample(uid: str) -> Sample:
@@ -189,15 +216,15 @@ def test_old_logprobs_from_the_update_train_as_their_own_pass_does(tmp_path):
         policy.save(shards)
         policy.stage(batches)
         old = policy.old_logprobs()
-        (by_pass,) = policy.update(None, [dataclasses.replace(fused, old_from_forward=False)])
+        (by_pass,) = policy.update(None, [dataclasses.replace(fused, old_from_forward=False)]).result()
         after_pass = policy.forward(batches)
         policy.load(shards)
         policy.stage(batches)
-        (by_update,) = policy.update(None, [fused], old_from_update=True)
+        (by_update,) = policy.update(None, [fused], old_from_update=True).result()
         after_update = policy.forward(batches)
         policy.stage(batches)
         with pytest.raises(RoleError, match="one optimizer step over every staged micro-batch"):
-            policy.update(None, [fused, fused], [[0], [1]], old_from_update=True)
+            policy.update(None, [fused, fused], [[0], [1]], old_from_update=True).result()
     assert old.metrics and by_pass.grad_norm > 0
     for key, value in old.metrics.items():
         assert by_update.metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key

@@ -161,7 +161,7 @@ def test_mini_batch_epochs_under_the_plan_equal_a_plain_loop_of_static_updates(t
         assert len(schedule) == 4 and sorted(m for s in schedule[:2] for m in s) == [0, 1, 2]
         objectives = [supervised_objective(select_microbatches(batches, s)) for s in schedule]
         step_plan = planner.plan(batches)
-        results = policy.update(batches, objectives, schedule, step_plan.plan, step_plan.loads_MLSE)
+        results = policy.update(batches, objectives, schedule, step_plan.plan, step_plan.loads_MLSE).result()
         assert results[-1].plan_applied is True and results[-1].metrics["relibra/exec_refused"] == 0.0
         planned = policy.forward(batches)
 

@@ -11,7 +11,7 @@ from rollout.engine import GenerateStats, GenerationOutput
 from tppo.algo.config import AlgoConfig
 from tppo.algo.pool import Prompt, SamplePool
 from tppo.cluster.config import ClusterConfig
-from tppo.cluster.roles import STREAM_AHEAD, RankGroup, Rollout, Trainer
+from tppo.cluster.roles import STREAM_AHEAD, PendingCall, RankGroup, Rollout, Trainer
 from tppo.cluster.workers import OldLogprobsReport
 from tppo.config import ExperimentConfig
 from tppo.engine.batch import ForwardOutput, StepResult
@@ -56,10 +56,12 @@ class _Engines:
 
 
 class _Rank:
-    """A trainer rank that keeps its staged micro-batches and records the prompts of the rows each update trains."""
+    """A trainer rank that keeps its staged micro-batches and records the prompts of the rows each update trains
+    (and, given a shared `log`, its name when an update runs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "", log: list[str] | None = None) -> None:
         self.staged, self.trained_prompts = None, []
+        self.name, self.log = name, log if log is not None else []
 
     def forward(self, batches, with_entropy=False, record_routing=False):
         return [
@@ -74,6 +76,7 @@ class _Rank:
         return OldLogprobsReport(metrics={})
 
     def train(self, objectives, schedule=None, plan=None, loads_MLSE=None, old_from_update=False):
+        self.log.append(self.name)
         for b in self.staged:
             live = b.loss_mask_BT.sum(dim=1) > 0
             self.trained_prompts += (b.input_ids_BT[live, 0] - PROMPT_BASE).tolist()
@@ -148,3 +151,50 @@ def test_weight_sync_buckets_fit_the_object_store_with_the_ones_in_flight():
         bucket_mb(ClusterConfig().object_store_mb, 1 << 20) * (STREAM_AHEAD + 1)
         <= ClusterConfig().object_store_mb
     )
+
+
+class _LaterGroup(RankGroup):
+    """In-process ranks whose submitted calls run only once their result is asked for (as remote ranks' calls
+    finish after the driver has gone on)."""
+
+    def submit(self, method, per_rank=None, *args):
+        now = RankGroup(self.name, self.handles, remote=False)
+        return _Later(lambda: now.submit(method, per_rank, *args).result())
+
+
+class _Later(PendingCall):
+    def __init__(self, run) -> None:
+        self.run = run
+
+    def result(self):
+        return self.run()
+
+
+def test_overlapped_updates_wait_for_the_critic_after_the_policy_and_train_the_same():
+    algo = AlgoConfig(batch_size=4, group_size=2, window=4, max_response_length=4, critic_warmup_steps=0)
+    dataset = [Prompt(uid=f"p{i}", prompt_ids=np.array([PROMPT_BASE + i])) for i in range(8)]
+
+    def step(overlap: bool) -> tuple[list[str], _Rank, _Rank, dict[str, float]]:
+        cfg = replace(ExperimentConfig(), algo=algo)
+        cfg = replace(cfg, cluster=replace(cfg.cluster, overlap_updates=overlap))
+        log: list[str] = []
+        policy, critic = _Rank("policy", log), _Rank("critic", log)
+        roles = Roles(
+            policy=Trainer(_LaterGroup("policy", [policy], remote=False), micro_batch_size=2, routing=False),
+            critic=Trainer(_LaterGroup("critic", [critic], remote=False), micro_batch_size=2, routing=False),
+            rollout=Rollout(RankGroup("rollout", [_Engines()], remote=False)),
+        )
+        pool = SamplePool.from_config(algo, dataset, shuffle=False)
+        return log, policy, critic, rl_step(0, cfg, pool, roles, lambda s: 1.0, stop_ids=())
+
+    log, policy, critic, metrics = step(overlap=False)
+    assert log == ["critic", "policy"]
+    overlapped_log, overlapped_policy, overlapped_critic, overlapped = step(overlap=True)
+    # the critic's update is waited for only after the policy's has run (and the weights are synced)
+    assert overlapped_log == ["policy", "critic"]
+    assert overlapped_policy.trained_prompts == policy.trained_prompts == [0, 0, 1, 1]
+    assert overlapped_critic.trained_prompts == critic.trained_prompts
+    assert {k for k in overlapped if not k.startswith("perf/")} == {
+        k for k in metrics if not k.startswith("perf/")
+    }
+    assert overlapped["critic/optimizer_steps"] == metrics["critic/optimizer_steps"] == 1.0
