@@ -649,11 +649,11 @@ def smoothed(values: list[float | None], width: int) -> list[float]:
 
 
 def curve(rows: list[dict], smooth: int) -> dict:
-    """Wall clock (cumulative RL step seconds), smoothed reward and occupancy per step, the first step's seconds
-    and the median of the others, phase shares of the steps after the first (which alone carries one-time
-    warm-up: on a GPU ~14 s of kernel compiles and graph captures, more than ten ordinary steps)."""
+    """Wall clock (cumulative RL step seconds), smoothed reward and occupancy per step, the first step's seconds;
+    the step time (median), phase shares and rates are of the steps after the first, which alone carries
+    one-time warm-up: on a GPU 14-60 s of kernel compiles and graph captures (more with a cold compile cache),
+    more than ten ordinary steps."""
     step_s = [r["perf/step_s"] for r in rows]
-    total = sum(step_s)
     later = rows[1:] or rows
     later_total = sum(r["perf/step_s"] for r in later)
     return {
@@ -662,14 +662,13 @@ def curve(rows: list[dict], smooth: int) -> dict:
         "smooth": smooth,
         "reward_raw": [r.get("rollout/reward_mean", math.nan) for r in rows],
         "occupancy": [occupancy(r) for r in rows],
-        "step_s_mean": total / len(rows),
         "first_step_s": step_s[0],
         "step_s_median": statistics.median(r["perf/step_s"] for r in later),
         "phase_share": {p: sum(r.get(f"perf/{p}_s", 0.0) for r in later) / later_total for p in PHASES},
         # the mechanism: T-PPO gains only where responses finish faster per second, which needs engine steps
         # whose cost does not grow with their rows (the generation time per token falls as occupancy rises)
-        "finished_per_s": sum(r.get("rollout/finished", 0) for r in rows) / total,
-        "generation_us_per_token": 1e6 * generation_s_per_token(rows),
+        "finished_per_s": sum(r.get("rollout/finished", 0) for r in later) / later_total,
+        "generation_us_per_token": 1e6 * generation_s_per_token(later),
     }
 
 
@@ -703,9 +702,15 @@ def after_first_step(c: dict, wall_s: float | None) -> float | None:
 
 
 def reward_at(c: dict, wall_s: float) -> float:
-    """Smoothed reward of the last step finished by `wall_s`."""
-    done = [r for t, r in zip(c["wall_s"], c["reward"]) if t <= wall_s + 1e-9]
-    return done[-1] if done else float("nan")
+    """Smoothed reward of the last step finished `wall_s` after the end of the first (the clock of
+    `after_first_step`); the first step's own when none was."""
+    done = [r for t, r in zip(c["wall_s"], c["reward"]) if after_first_step(c, t) <= wall_s + 1e-9]
+    return done[-1]
+
+
+def equal_wall_s(curves: dict[str, list[dict]]) -> float:
+    """The longest time after the first step that every run lasted."""
+    return min(after_first_step(c, c["wall_s"][-1]) for cs in curves.values() for c in cs)
 
 
 def spread(values: list[float | None]) -> dict:
@@ -730,7 +735,7 @@ def e2e_part(args) -> dict:
         for name, overrides in variants.items():
             rows = read_metrics(train(f"{name}_s{seed}", seed, overrides, args))
             curves[name].append(curve(rows, args.smooth) | {"seed": seed})
-    equal_wall = min(c["wall_s"][-1] for cs in curves.values() for c in cs)
+    equal_wall = equal_wall_s(curves)
     results: dict = {"args": vars(args), "equal_wall_s": equal_wall, "algos": {}}
     for name, cs in curves.items():
         results["algos"][name] = {
@@ -789,7 +794,7 @@ def print_e2e(results: dict) -> None:
 
     print(
         f"\n| algorithm | time to reward {results['args']['threshold']} (s) | after step 0 (s) "
-        f"| reward at {results['equal_wall_s']:.0f} s | final reward | step 0 s | step s | occupancy | finished / s "
+        f"| reward at {results['equal_wall_s']:.0f} s after step 0 | final reward | step 0 s | step s | occupancy | finished / s "
         "| generation us / token | rollout / critic / policy / sync share |\n|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for name, a in results["algos"].items():

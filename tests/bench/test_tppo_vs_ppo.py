@@ -184,14 +184,12 @@ def test_e2e_tppo_with_a_whole_window_trains_exactly_like_ppo(tmp_path):
         assert 0 < algo["phase_share"]["rollout"] < 1
     for name, algo in results["algos"].items():
         for c, rows in zip(algo["curves"], runs_metrics(tmp_path / "runs", name)):
-            step_s = [r["perf/step_s"] for r in rows]
-            assert c["finished_per_s"] == pytest.approx(
-                sum(r["rollout/finished"] for r in rows) / sum(step_s)
-            )
+            later = rows[1:]  # the rates leave out the first step's warm-up
+            later_s = sum(r["perf/step_s"] for r in later)
             # whole responses in both: every item of every step finishes
-            assert c["finished_per_s"] * c["step_s_mean"] == pytest.approx(rows[0]["rollout/finished"])
-            rollout_s_per_token = sum(r["perf/rollout_s"] for r in rows) / sum(
-                r["rollout/tokens"] for r in rows
+            assert c["finished_per_s"] == pytest.approx(len(later) * rows[0]["rollout/finished"] / later_s)
+            rollout_s_per_token = sum(r["perf/rollout_s"] for r in later) / sum(
+                r["rollout/tokens"] for r in later
             )
             assert (
                 0 < c["generation_us_per_token"] < 1e6 * rollout_s_per_token
@@ -363,6 +361,12 @@ def test_time_after_the_first_step_leaves_out_its_warm_up():
     # the step time and phase shares are of the steps after the warm-up, which is reported apart
     assert c["first_step_s"] == 30.0 and c["step_s_median"] == 1.5
     assert c["phase_share"]["rollout"] == pytest.approx(1.75 / 4.5)
+    # the reward at equal wall clock too: a run whose warm-up alone outlasts the others' steps is compared at
+    # the same time after it
+    assert bench.reward_at(c, 0.5) == -1.0 and bench.reward_at(c, 3.0) == -0.2
+    assert bench.reward_at(c, 2.9) == pytest.approx(-0.6)
+    other = bench.curve([{"perf/step_s": s} for s in (2.0, 1.0, 1.0)], smooth=1)
+    assert bench.equal_wall_s({"a": [c], "b": [other]}) == pytest.approx(2.0)
 
 
 def test_a_threshold_counts_once_the_smoothing_window_is_full():
