@@ -116,6 +116,9 @@ class GenerateStats:
     peak_running: int = 0
     cuda_graphs: bool = False
     num_graphs: int = 0
+    num_captures: int = 0  # steps that captured a CUDA graph (a step shape seen for the first time)
+    capture_s: float = 0.0  # their seconds (in prefill_s / decode_s too): the capture and its warm-up run
+    generate_s: float = 0.0  # the whole call: the steps and the scheduling around them
     steps: list[StepTrace] = field(default_factory=list)
 
     @property
@@ -310,6 +313,7 @@ class RolloutEngine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationOutput]:
         """Generate for every prompt (prompt = prompt + earlier windows for a T-PPO continuation)."""
+        began = time.perf_counter()
         requests = self._make_requests(prompt_token_ids, params)
         plan = self.cache_plan
         self.last_stats = stats = GenerateStats(
@@ -340,7 +344,9 @@ class RolloutEngine:
         stats.num_preemptions = scheduler.num_preemptions
         stats.num_generated_tokens = sum(len(r.tokens) for r in requests)
         stats.cuda_graphs, stats.num_graphs = self.runner.use_cuda_graphs, self.runner.num_graphs
-        return [self._output(r) for r in sorted(done, key=lambda r: r.index)]
+        outputs = [self._output(r) for r in sorted(done, key=lambda r: r.index)]
+        stats.generate_s = time.perf_counter() - began
+        return outputs
 
     def _make_requests(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None
@@ -474,6 +480,9 @@ class RolloutEngine:
                 stats.mixed_s += seconds
         else:
             stats.prefill_s += seconds
+        if captured:
+            stats.num_captures += 1
+            stats.capture_s += seconds
         stats.kv_blocks_peak = max(stats.kv_blocks_peak, held)
         stats.kv_block_steps += held
         stats.peak_running = max(stats.peak_running, step.num_running)

@@ -152,7 +152,10 @@ def test_continuous_batching_equals_one_at_a_time(qwen_ckpt):
     # 3 rows for 7 requests: later requests join as earlier ones finish, prefilled in the decode steps.
     engine = RolloutEngine.from_pretrained(qwen_ckpt, config=small_config(max_batch_size=3))
     batched = engine.generate(prompts, params)
-    assert engine.last_stats.num_mixed_steps >= 3 and engine.last_stats.num_preemptions == 0
+    stats = engine.last_stats
+    assert stats.num_mixed_steps >= 3 and stats.num_preemptions == 0
+    assert stats.generate_s >= stats.prefill_s + stats.decode_s > 0  # mixed_s is part of decode_s
+    assert stats.num_captures == 0 and stats.capture_s == 0.0  # no CUDA graphs on the CPU
     single = RolloutEngine.from_pretrained(qwen_ckpt, config=small_config(max_batch_size=1))
     for prompt, p, out in zip(prompts, params, batched):
         _assert_same(out, single.generate([prompt], p)[0])

@@ -74,6 +74,10 @@ def test_cuda_graph_decode_equals_eager_and_matches_transformers(capacity):
     out_g, out_e = graphs.generate(prompts, params), eager.generate(prompts, params)
     assert graphs.last_stats.cuda_graphs and graphs.runner.capture_error is None
     assert graphs.last_stats.num_graphs > 0 and graphs.last_stats.num_mixed_steps > 0
+    # the first call captures every graph it has; the same call again replays them all
+    assert graphs.last_stats.num_captures == graphs.last_stats.num_graphs and graphs.last_stats.capture_s > 0
+    assert [o.token_ids for o in graphs.generate(prompts, params)] == [o.token_ids for o in out_g]
+    assert graphs.last_stats.num_captures == 0 and graphs.last_stats.capture_s == 0.0
     for a, b in zip(out_g, out_e):
         assert a.token_ids == b.token_ids
         np.testing.assert_array_equal(a.logprobs, b.logprobs)

@@ -191,13 +191,17 @@ def generate(
 
 def engine_metrics(stats: list[GenerateStats]) -> dict[str, float]:
     """What the rollout engines spent the step on, summed over the engines and the step's calls: seconds of
-    prefill-only steps and of decode steps (mixed_s of them also carried prompt chunks), how full the decode
-    batches were (rows per decode step, and that over the rows an engine decodes at most), preemptions, and the
-    KV cache's peak use (blocks, and that over the cache's blocks)."""
+    their generate calls, of prefill-only steps and of decode steps (mixed_s of them also carried prompt
+    chunks), of the steps that captured a CUDA graph (and how many did), how full the decode batches were (rows
+    per decode step, and that over the rows an engine decodes at most), preemptions, and the KV cache's peak use
+    (blocks, and that over the cache's blocks)."""
     steps = sum(s.num_decode_steps for s in stats)
     rows = sum(s.num_decode_rows for s in stats)
     capacity = sum(s.num_decode_steps * s.max_seqs for s in stats)
     return {
+        "rollout/generate_s": float(sum(s.generate_s for s in stats)),
+        "rollout/capture_s": float(sum(s.capture_s for s in stats)),
+        "rollout/graphs_captured": float(sum(s.num_captures for s in stats)),
         "rollout/prefill_s": float(sum(s.prefill_s for s in stats)),
         "rollout/decode_s": float(sum(s.decode_s for s in stats)),
         "rollout/mixed_s": float(sum(s.mixed_s for s in stats)),

@@ -52,6 +52,9 @@ class _Engines:
             num_preemptions=1,
             kv_blocks=10,
             kv_blocks_peak=5,
+            num_captures=2,
+            capture_s=0.25,
+            generate_s=3.5,
         )
 
 
@@ -126,6 +129,8 @@ def test_dynamic_sampling_trains_only_informative_groups_and_refills_the_batch()
     assert metrics["rollout/decode_rows_mean"] == 3.0 and metrics["rollout/decode_occupancy"] == 0.75
     assert metrics["rollout/mixed_s"] == 2.0 and metrics["rollout/preemptions"] == 4.0
     assert metrics["rollout/kv_blocks_peak"] == 5.0 and metrics["rollout/kv_usage_peak"] == 0.5
+    assert metrics["rollout/generate_s"] == 14.0 and metrics["rollout/capture_s"] == 1.0
+    assert metrics["rollout/graphs_captured"] == 8.0
     # The bound on over-sampling: one refill round leaves a smaller batch of informative groups.
     bounded = replace(cfg, algo=replace(algo, dynamic_sampling_rounds=1))
     policy.trained_prompts.clear()
