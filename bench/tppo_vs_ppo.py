@@ -778,9 +778,10 @@ def plot_e2e(results: dict, out: Path) -> None:
         fig, ax = plt.subplots(figsize=(7, 4))
         for i, (name, algo) in enumerate(results["algos"].items()):
             for c in algo["curves"]:
-                xs = c["wall_s"] if x_wall else range(1, len(c[key]) + 1)
+                # the first step's point sits at 0: its warm-up is left out, as in the table
+                xs = [after_first_step(c, t) for t in c["wall_s"]] if x_wall else range(1, len(c[key]) + 1)
                 ax.plot(xs, c[key], color=f"C{i}", alpha=0.8, label=f"{name} seed {c['seed']}")
-        ax.set_xlabel("wall clock of RL steps (s)" if x_wall else "step")
+        ax.set_xlabel("wall clock of RL steps after step 0 (s)" if x_wall else "step")
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=7)
         fig.tight_layout()
