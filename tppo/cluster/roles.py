@@ -416,9 +416,12 @@ class Trainer:
             for rank in split
         ]
 
-    def critic_batches(self, samples: Sequence[Sample], gamma: float = 1.0) -> RankBatches:
-        """The critic's micro-batches, its targets the returns discounted by `gamma`."""
-        split = split_for_ranks(samples, self.placement(samples))
+    def critic_batches(
+        self, samples: Sequence[Sample], gamma: float = 1.0, placement: Placement | None = None
+    ) -> RankBatches:
+        """The critic's micro-batches (in `placement`, by default this trainer's), its targets the returns
+        discounted by `gamma`."""
+        split = split_for_ranks(samples, placement or self.placement(samples))
         return [[critic_batch(ss, ff, self.routing, gamma) for ss, ff in rank] for rank in split]
 
     def forward(
@@ -429,8 +432,9 @@ class Trainer:
 
     def values(self, samples: Sequence[Sample]) -> Values:
         """The critic's values of each sample's sequence, in the samples' order."""
-        outs = self.forward(self.critic_batches(samples))
-        return _values(outs, self.placement(samples), len(samples))
+        placement = self.placement(samples)
+        outs = self.forward(self.critic_batches(samples, placement=placement))
+        return _values(outs, placement, len(samples))
 
     def stage(self, batches: RankBatches) -> None:
         """Send this step's micro-batches to the ranks, which keep them for the calls below and the update."""
