@@ -39,12 +39,13 @@ holds the whole response is GAE). Read from each run's metrics.jsonl: reward per
 smoothed over `--smooth` steps; a threshold counts once a whole window of them reaches it), cumulative wall clock
 (sum of `perf/step_s`: the RL steps, not start-up or the warm start), and each phase's share of the step. Reported
 per algorithm (median and spread over seeds): the wall clock to reach `--threshold` (also counted from the end of
-the first step, which alone carries the one-time warm-up), the reward at the equal wall clock (the shortest run's
-total), the first step's seconds, the median of the other steps and their phase shares; plots of reward vs wall
-clock and decode occupancy per step under `--plots`. A run directory under `--run-root` that already holds every step of the same overrides is read, not
-re-run: the seeds of one table may come from several calls. `--shared-warm-start` runs the experiment's warm
-start once per seed and starts each algorithm's run from it (a long warm start, countdown_xl's 800 steps, then
-costs one run per seed, not one per run); the warm starts come first, `--warm-start-jobs` of them at a time.
+the first step, which alone carries the one-time warm-up), the reward at equal wall clock (on that clock: the
+time after step 0 that every run lasted), the first step's seconds, the median of the other steps and their phase
+shares; plots of reward vs that clock and decode occupancy per step under `--plots`. A run directory under
+`--run-root` that already holds every step of the same overrides is read, not re-run: the seeds of one table
+may come from several calls. `--shared-warm-start` runs the experiment's warm start once per seed and starts each
+algorithm's run from it (a long warm start, countdown_xl's 800 steps, then costs one run per seed, not one per
+run); the warm starts come first, `--warm-start-jobs` of them at a time.
 """
 
 from __future__ import annotations
