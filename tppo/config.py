@@ -188,9 +188,9 @@ def _cluster_rules(c: ExperimentConfig) -> str | None:
             f"with the trainers (cluster.placement={cl.placement}, cluster.offload={cl.offload}); set "
             "cluster.placement=separate or cluster.offload=off"
         )
-    if cl.overlap_updates and cl.time_shared:
+    if cl.overlap_updates == "on" and cl.time_shared:
         return (
-            "cluster.overlap_updates=true needs roles that do not time-share devices (the critic offloads after its "
+            "cluster.overlap_updates=on needs roles that do not time-share devices (the critic offloads after its "
             f"update to make room for the policy's; cluster.placement={cl.placement}, cluster.offload="
             f"{cl.offload}): set cluster.offload=off or cluster.placement=separate"
         )

@@ -122,11 +122,19 @@ def test_old_logprobs_from_the_update_refuse_updates_of_several_steps_and_r2(ove
 
 
 def test_overlapped_updates_need_roles_that_do_not_time_share_devices():
-    assert compose("train", ["cluster.overlap_updates=true"]).cluster.overlap_updates
+    assert compose("train", ["cluster.overlap_updates=on"]).cluster.overlapped_updates
     with pytest.raises(
-        ConfigError, match=r"cluster.overlap_updates=true needs roles that do not time-share .*offload=on"
+        ConfigError, match=r"cluster.overlap_updates=on needs roles that do not time-share .*offload=on"
     ):
-        compose("train", ["cluster.overlap_updates=true", "cluster.offload=on"])
+        compose("train", ["cluster.overlap_updates=on", "cluster.offload=on"])
+    # auto: on for GPU runs whose roles do not time-share, off on CPU and where they do
+    assert not compose("train", []).cluster.overlapped_updates
+    gpu = ["cluster=single_gpu", "parallel=single"]
+    assert not compose("train", gpu).cluster.overlapped_updates
+    assert compose("train", [*gpu, "cluster.offload=off"]).cluster.overlapped_updates
+    assert not compose(
+        "train", [*gpu, "cluster.offload=off", "cluster.overlap_updates=off"]
+    ).cluster.overlapped_updates
 
 
 def test_old_logprobs_auto_come_from_a_one_step_update_without_r2():

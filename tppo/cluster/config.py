@@ -37,11 +37,13 @@ class ClusterConfig:
         "saves each step's offload, engine wake and CUDA-graph re-capture",
     )
 
-    overlap_updates: bool = spec(
-        False,
+    overlap_updates: str = spec(
+        "auto",
+        choices=("auto", "on", "off"),
         help="run the critic's update at the same time as the policy's (old log-probs, update, weight sync): they "
         "do not read each other. Needs roles that do not time-share devices (the critic offloads after its update "
-        "to make room for the policy's)",
+        "to make room for the policy's); auto: on for GPU runs whose roles do not time-share (on 2 CPU cores the "
+        "two trainers would only share them)",
     )
 
     @property
@@ -55,3 +57,10 @@ class ClusterConfig:
         if self.offload == "auto":
             return bool(self.gpus_per_node) and self.placement == "colocated"
         return self.offload == "on"
+
+    @property
+    def overlapped_updates(self) -> bool:
+        """Whether the critic's update runs while the policy's does (cluster.overlap_updates resolved)."""
+        if self.overlap_updates == "auto":
+            return bool(self.gpus_per_node) and not self.time_shared
+        return self.overlap_updates == "on"

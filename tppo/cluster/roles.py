@@ -136,6 +136,8 @@ class RankGroup:
         try:
             yield
         except ray.exceptions.RayActorError as err:
+            if getattr(err, "actor_init_failed", False):
+                raise RoleError(f"{who(err)} could not be built{_init_failure(err)}") from err
             raise RoleError(f"{who(err)} died during {name}(){_death_cause(err)}") from err
         except ray.exceptions.GetTimeoutError as err:
             raise RoleError(f"{self.name}.{name}() did not finish within {CALL_TIMEOUT_S:.0f} s") from err
@@ -228,6 +230,15 @@ def _death_cause(err: Exception) -> str:
     why = re.search(r"Worker exit detail: (.+?)\.(?: |$)", text)
     parts = [f"pid {pid.group(1)}" if pid else "", why.group(1) if why else ""]
     return f" ({'; '.join(p for p in parts if p)})" if any(parts) else ""
+
+
+def _init_failure(err: Exception) -> str:
+    """The pid and the exception its constructor raised (the last line of Ray's traceback), of an actor whose
+    creation failed: " (pid 123): FileNotFoundError: ..."."""
+    text = str(err)
+    pid = re.search(r"\bpid=(\d+)", text)
+    raised = [line.strip() for line in text.splitlines() if line.strip()][-1:]
+    return (f" (pid {pid.group(1)})" if pid else "") + (f": {raised[0]}" if raised else "")
 
 
 def start_group(
@@ -343,7 +354,9 @@ def start_rollout(
     layout) the engines are attention workers that share that many expert workers, one process group."""
     args = (str(hf_dir), device, dtype, rollout_cfg, 1 if device == "cpu" else None)
     if not expert_workers:
-        return Rollout(start_group("rollout", RolloutWorker, [args] * num_workers, remote, placement))
+        group = start_group("rollout", RolloutWorker, [args] * num_workers, remote, placement)
+        group.call(RolloutWorker.ready)  # a Ray actor builds in the background: the first call waits for it
+        return Rollout(group)
     num_experts = MoeModelSpec.from_pretrained(hf_dir).num_experts
     with reserved_port() as port:
         seats = layout_seats(num_experts, num_workers, expert_workers, f"tcp://127.0.0.1:{port}")

@@ -105,7 +105,7 @@ def learn(
     updates_policy = step >= cfg.algo.critic_warmup_steps
     planning = start_plan(roles, policy_in) if updates_policy and cfg.algo.routing_replay == "r3" else None
     finish_critic = start_critic_update(roles.critic, [s for s in batch if s.finished], cfg, step, timer)
-    overlap = cfg.cluster.overlap_updates
+    overlap = cfg.cluster.overlapped_updates
     if not overlap:
         metrics |= finish_critic()
     if updates_policy:

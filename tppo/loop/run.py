@@ -267,7 +267,9 @@ def train(cfg: ExperimentConfig) -> dict[str, Any]:
         export_policy(roles.policy, task, out / "rollout_init")
         if cfg.cluster.time_shared:  # the engine sizes its KV cache from the free memory it finds
             offload_trainers(roles)
+        began = time.perf_counter()
         roles.rollout = rollout_engines(cfg, out / "rollout_init", placement)
+        _log.info("rollout engines started in %.1f s", time.perf_counter() - began)
         with MetricsLogger(
             out,
             cfg.logging,

@@ -1,6 +1,7 @@
 """The driver's Rollout handle over the disaggregated layout on Ray (two engines sharing two expert workers,
 over gloo): the same generate and load_weights calls give the replica engines' outputs; each expert worker gets
-only its experts' tensors; settings that cannot work are refused with both named."""
+only its experts' tensors; settings that cannot work are refused with both named; an engine that cannot be built
+fails the start, not the first step."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from rollout.weights import iter_checkpoint
 from tppo.base.fields import ConfigError
 from tppo.cluster.config import ClusterConfig
 from tppo.cluster.placement import layout
-from tppo.cluster.roles import start_rollout
+from tppo.cluster.roles import RoleError, start_rollout
 from tppo.cluster.session import ray_session
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "rollout"))
@@ -52,6 +53,18 @@ def test_disaggregated_rollout_equals_replicas(tmp_path):
             assert a.token_ids == b.token_ids
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
             np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
+
+
+@pytest.mark.dist
+def test_an_engine_that_cannot_be_built_fails_the_start(tmp_path):
+    # the worker's constructor reads the checkpoint: its error surfaces here, before any generate call
+    with (
+        ray_session(ClusterConfig(object_store_mb=100, cpus_per_node=2)),
+        pytest.raises(
+            RoleError, match=r"^rollout rank 0 could not be built \(pid \d+\): FileNotFoundError: .*missing'"
+        ),
+    ):
+        start_rollout(tmp_path / "missing", "cpu", "float32", RolloutConfig(max_model_len=64), 1, True)
 
 
 def test_disaggregated_layout_counts_and_rules():

@@ -181,7 +181,7 @@ def test_overlapped_updates_wait_for_the_critic_after_the_policy_and_train_the_s
 
     def step(overlap: bool) -> tuple[list[str], _Rank, _Rank, dict[str, float]]:
         cfg = replace(ExperimentConfig(), algo=algo)
-        cfg = replace(cfg, cluster=replace(cfg.cluster, overlap_updates=overlap))
+        cfg = replace(cfg, cluster=replace(cfg.cluster, overlap_updates="on" if overlap else "off"))
         log: list[str] = []
         policy, critic = _Rank("policy", log), _Rank("critic", log)
         roles = Roles(
