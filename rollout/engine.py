@@ -130,7 +130,7 @@ class GenerateStats:
         return self.kv_block_steps / self.num_steps if self.num_steps else 0.0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Request:
     index: int
     prompt: list[int]
@@ -144,10 +144,15 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     num_routed: int = 0
     finish_reason: str | None = None
+    length: int = 0  # prompt + tokens: read several times a step per request, so kept, not recounted
 
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.tokens)
+    def __post_init__(self) -> None:
+        self.length = len(self.prompt) + len(self.tokens)
+
+    def append(self, token: int, logprob: float) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.length += 1
 
     @property
     def target(self) -> int:
@@ -162,6 +167,10 @@ class _Request:
     def record(self, start: int, routes_TLK: np.ndarray) -> None:
         """Routes of positions [start, start + len): keeps those of positions not recorded yet (copied, so no
         step's array stays alive)."""
+        if start == self.num_routed and start + len(routes_TLK) <= len(self.routes_TLK):  # the common case
+            self.routes_TLK[start : start + len(routes_TLK)] = routes_TLK
+            self.num_routed = start + len(routes_TLK)
+            return
         new = routes_TLK[max(0, self.num_routed - start) :]
         end = self.num_routed + len(new)
         if not len(new):
@@ -429,8 +438,9 @@ class RolloutEngine:
         tokens, logprobs = out.tokens_S.tolist(), out.logprobs_S.tolist()
         finished = []
         for i, r in enumerate(step.decode):
-            r.record(r.length - 1, routes[i : i + 1])
-            r.num_cached = r.length
+            n = r.length
+            r.record(n - 1, routes[i : i + 1])
+            r.num_cached = n
             if r.finish_reason is not None:  # this step only recorded its last token's experts
                 scheduler.retire(r)
                 finished.append(r)
@@ -447,8 +457,7 @@ class RolloutEngine:
         return finished
 
     def _append(self, r: _Request, token: int, logprob: float) -> None:
-        r.tokens.append(token)
-        r.logprobs.append(logprob)
+        r.append(token, logprob)
         if token in self.eos_token_ids and not r.params.ignore_eos:
             r.finish_reason = "eos"
         elif token in r.stop_ids:
@@ -552,21 +561,24 @@ class _Scheduler:
 
     def next_step(self) -> _Step:
         self._admit()
-        for r in list(self.running):
-            if r.decoding:  # False for one preempted by an earlier row's growth (row -1)
+        # A step's host time is per running request, so each one's state is read once here.
+        decoding = [r.decoding for r in self.running]
+        prefill = [r for r, d in zip(self.running, decoding) if not d]
+        decode = [r for r, d in zip(self.running, decoding) if d]
+        for r in self._outgrowing(decode):
+            if r.row >= 0:  # -1 for one preempted by an earlier row's growth
                 self._grow(r)
-        decode = [r for r in self.running if r.decoding]
+        if len(decode) + len(prefill) != len(self.running):  # growth preempted the youngest requests
+            decode, prefill = [r for r in decode if r.row >= 0], [r for r in prefill if r.row >= 0]
         budget, pieces = self.max_step_tokens - len(decode), []
-        prefilling = len(decode) < len(self.running)  # a budget costs host time: decode-only steps skip it
-        if self.prefill_budget is not None and prefilling:
+        if self.prefill_budget is not None and prefill:  # a budget costs host time: decode-only steps skip it
             budget = min(budget, self.prefill_budget(len(decode), sum(r.length for r in decode)))
-        for r in self.running:
+        for r in prefill:
             if budget <= 0:
                 break
-            if not r.decoding:
-                m = min(budget, r.target - r.num_cached)
-                pieces.append((r, r.num_cached, m))
-                budget -= m
+            m = min(budget, r.target - r.num_cached)
+            pieces.append((r, r.num_cached, m))
+            budget -= m
         if not decode and not pieces:
             raise RuntimeError(
                 f"rollout scheduler: no step possible with {len(self.waiting)} waiting requests and "
@@ -591,6 +603,14 @@ class _Scheduler:
             r.row = self.table.open_row()
             self.table.grow(r.row, r.target)
             self.running.append(r)
+
+    def _outgrowing(self, decode: list[_Request]) -> list[_Request]:
+        """The decoding requests whose next position needs a block they do not hold, in running order."""
+        n = len(decode)
+        rows = np.fromiter((r.row for r in decode), np.int64, n)
+        lengths = np.fromiter((r.length for r in decode), np.int64, n)
+        short = self.table.blocks_for(lengths) > self.table.num_held_R[rows]
+        return [decode[i] for i in np.flatnonzero(short)]
 
     def _grow(self, r: _Request) -> None:
         """Blocks for the position r feeds next; preempts the youngest running requests until they fit."""

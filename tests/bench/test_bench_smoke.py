@@ -19,6 +19,7 @@ SCRIPTS = {
         "--batches", "1,4", "--new-tokens", "8", "--hf-new-tokens", "4", "--repeats", "2",
     ],
     "rollout_long": ["--tiny"],
+    "rollout_host": ["--tiny"],
     "rollout_expertplex": ["--tiny"],
     "rollout_disagg": ["--profile", "--tiny"],
     "relibra_executor": ["--tiny"],
