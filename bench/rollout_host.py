@@ -54,18 +54,18 @@ class InstantRunner:
     num_graphs = 0
     use_cuda_graphs = False
 
-    def __init__(self, vocab_size: int, num_layers: int, top_k: int, seed: int = 0) -> None:
-        self.vocab_size, self.num_layers, self.top_k = vocab_size, num_layers, top_k
+    def __init__(self, vocab_size: int, num_layers: int, top_k: int, max_tokens: int, seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        # one buffer handed out in slices, as the real runner's host buffers are (the engine copies what it keeps)
+        self.routes_TLK = np.ascontiguousarray(
+            np.broadcast_to(np.arange(top_k), (max_tokens, num_layers, top_k))
+        )
         self.rng = np.random.default_rng(seed)
 
     def run(self, x: StepInputs) -> StepOutputs:
         s = len(x.samples_S)
-        routes_TLK = np.broadcast_to(np.arange(self.top_k), (x.num_tokens, self.num_layers, self.top_k))
-        return StepOutputs(
-            self.rng.integers(0, self.vocab_size, s),
-            np.zeros(s, np.float32),
-            np.ascontiguousarray(routes_TLK),
-        )
+        tokens_S = self.rng.integers(0, self.vocab_size, s)
+        return StepOutputs(tokens_S, np.zeros(s, np.float32), self.routes_TLK[: x.num_tokens])
 
 
 def measure(rows: int, args: argparse.Namespace, cfg: dict) -> dict:
@@ -78,7 +78,10 @@ def measure(rows: int, args: argparse.Namespace, cfg: dict) -> dict:
         cuda_graphs=False,
     )
     engine = RolloutEngine.from_config(cfg, device="cpu", dtype="float32", config=config, seed=0)
-    engine.runner = InstantRunner(cfg["vocab_size"], engine.spec.num_moe_layers, engine.spec.top_k)
+    spec = engine.spec
+    engine.runner = InstantRunner(
+        cfg["vocab_size"], spec.num_moe_layers, spec.top_k, config.max_step_tokens + rows
+    )
     rng = np.random.default_rng(rows)
     prompts = [rng.integers(0, cfg["vocab_size"], args.prompt_len).tolist() for _ in range(rows)]
     params = [

@@ -137,12 +137,13 @@ class _Request:
     params: SamplingParams
     seed: int
     stop_ids: frozenset[int]
-    routes_TLK: np.ndarray  # rows [0, num_routed) recorded; grown by doubling
     row: int = -1  # block-table row while running
     num_cached: int = 0  # positions whose K/V are in the cache
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    num_routed: int = 0
+    route_rows: list[int] = field(
+        default_factory=list
+    )  # position i's routes: row route_rows[i] of the _RouteLog
     finish_reason: str | None = None
     length: int = 0  # prompt + tokens: read several times a step per request, so kept, not recounted
 
@@ -164,23 +165,37 @@ class _Request:
     def decoding(self) -> bool:
         return self.row >= 0 and self.num_cached >= self.target
 
-    def record(self, start: int, routes_TLK: np.ndarray) -> None:
-        """Routes of positions [start, start + len): keeps those of positions not recorded yet (copied, so no
-        step's array stays alive)."""
-        if start == self.num_routed and start + len(routes_TLK) <= len(self.routes_TLK):  # the common case
-            self.routes_TLK[start : start + len(routes_TLK)] = routes_TLK
-            self.num_routed = start + len(routes_TLK)
-            return
-        new = routes_TLK[max(0, self.num_routed - start) :]
-        end = self.num_routed + len(new)
-        if not len(new):
-            return
-        if end > len(self.routes_TLK):
-            grown = np.empty((max(end, 2 * len(self.routes_TLK)), *new.shape[1:]), dtype=new.dtype)
-            grown[: self.num_routed] = self.routes_TLK[: self.num_routed]
-            self.routes_TLK = grown
-        self.routes_TLK[self.num_routed : end] = new
-        self.num_routed = end
+    def record(self, start: int, first_row: int, count: int) -> None:
+        """Positions [start, start + count), computed this step, whose routes are log rows [first_row, ...): keeps
+        those of positions not recorded yet (a recomputed prefix after a preemption records nothing new)."""
+        skip = len(self.route_rows) - start
+        if skip <= 0:
+            self.route_rows.extend(range(first_row, first_row + count))
+        elif skip < count:
+            self.route_rows.extend(range(first_row + skip, first_row + count))
+
+
+class _RouteLog:
+    """Every step's routes of one generate call, kept whole: a request holds the rows of its positions and
+    gathers them once, when it is output (a step's bookkeeping then copies no routes)."""
+
+    def __init__(self) -> None:
+        self.steps: list[np.ndarray] = []
+        self.num_rows = 0
+        self._joined: np.ndarray | None = None
+
+    def add(self, routes_TLK: np.ndarray) -> int:
+        """Keep a step's routes (an array the caller does not reuse); returns the log row of its first token."""
+        first = self.num_rows
+        self.steps.append(routes_TLK)
+        self.num_rows += len(routes_TLK)
+        self._joined = None
+        return first
+
+    def gather(self, rows: list[int]) -> np.ndarray:
+        if self._joined is None:
+            self._joined = np.concatenate(self.steps)
+        return self._joined[np.asarray(rows, dtype=np.int64)]
 
 
 class RolloutEngine:
@@ -336,6 +351,7 @@ class RolloutEngine:
         budget = self.prefill_budget.budget if self.prefill_budget is not None else None
         scheduler = _Scheduler(self.cache.table, requests, self.config.max_step_tokens, budget)
         done: list[_Request] = []
+        log = _RouteLog()
         with torch.inference_mode():
             while not scheduler.idle:
                 step = scheduler.next_step()
@@ -345,7 +361,7 @@ class RolloutEngine:
                 t0 = time.perf_counter()
                 out = self.runner.run(inputs)
                 seconds = time.perf_counter() - t0
-                done += self._advance(step, out, scheduler)
+                done += self._advance(step, out, scheduler, log)
                 captured = self.runner.num_graphs != graphs  # its time holds the capture (many steps' worth)
                 self._count(stats, step, inputs, out, held, seconds, captured)
                 if self.prefill_budget is not None and not captured:
@@ -353,7 +369,7 @@ class RolloutEngine:
         stats.num_preemptions = scheduler.num_preemptions
         stats.num_generated_tokens = sum(len(r.tokens) for r in requests)
         stats.cuda_graphs, stats.num_graphs = self.runner.use_cuda_graphs, self.runner.num_graphs
-        outputs = [self._output(r) for r in sorted(done, key=lambda r: r.index)]
+        outputs = [self._output(r, log) for r in sorted(done, key=lambda r: r.index)]
         stats.generate_s = time.perf_counter() - began
         return outputs
 
@@ -373,8 +389,7 @@ class RolloutEngine:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             prompt = self._check_prompt(i, prompt, p)
             seed = p.seed if p.seed is not None else secrets.randbits(63)
-            routes = np.empty((len(prompt) + 16, self.spec.num_moe_layers, self.spec.top_k), self.route_dtype)
-            requests.append(_Request(i, prompt, p, seed, frozenset(p.stop_token_ids), routes))
+            requests.append(_Request(i, prompt, p, seed, frozenset(p.stop_token_ids)))
         return requests
 
     def _check_prompt(self, i: int, prompt: Sequence[int], p: SamplingParams) -> list[int]:
@@ -432,14 +447,18 @@ class RolloutEngine:
             top_p_S=np.fromiter((r.params.top_p for r in sampled), np.float32, len(sampled)),
         )
 
-    def _advance(self, step: _Step, out: StepOutputs, scheduler: _Scheduler) -> list[_Request]:
+    def _advance(
+        self, step: _Step, out: StepOutputs, scheduler: _Scheduler, log: _RouteLog
+    ) -> list[_Request]:
         """Record the step's routing, append the sampled tokens, retire finished requests."""
-        routes = out.routes_TLK.astype(self.route_dtype)
+        first = log.add(
+            out.routes_TLK.astype(self.route_dtype)
+        )  # a copy: the runner reuses its output buffers
         tokens, logprobs = out.tokens_S.tolist(), out.logprobs_S.tolist()
         finished = []
         for i, r in enumerate(step.decode):
             n = r.length
-            r.record(n - 1, routes[i : i + 1])
+            r.record(n - 1, first + i, 1)
             r.num_cached = n
             if r.finish_reason is not None:  # this step only recorded its last token's experts
                 scheduler.retire(r)
@@ -448,7 +467,7 @@ class RolloutEngine:
                 self._append(r, tokens[i], logprobs[i])
         offset, j = len(step.decode), len(step.decode)
         for (r, start, m), end in zip(step.pieces, step.ends):
-            r.record(start, routes[offset : offset + m])
+            r.record(start, first + offset, m)
             r.num_cached = start + m
             offset += m
             if end:
@@ -509,9 +528,9 @@ class RolloutEngine:
             rows=n, keys=int(inputs.tokens_T4[:n, POSITION].sum()) + n, routes_TLK=out.routes_TLK
         )
 
-    def _output(self, r: _Request) -> GenerationOutput:
-        assert r.num_routed == r.length, (r.num_routed, r.length)
-        routes = r.routes_TLK[: r.num_routed].copy()
+    def _output(self, r: _Request, log: _RouteLog) -> GenerationOutput:
+        assert len(r.route_rows) == r.length, (len(r.route_rows), r.length)
+        routes = log.gather(r.route_rows)
         return GenerationOutput(
             index=r.index,
             prompt_token_ids=r.prompt,
