@@ -141,9 +141,8 @@ class _Request:
     num_cached: int = 0  # positions whose K/V are in the cache
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    route_rows: list[int] = field(
-        default_factory=list
-    )  # position i's routes: row route_rows[i] of the _RouteLog
+    # position i's experts are row route_rows[i] of the call's _RouteLog
+    route_rows: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     length: int = 0  # prompt + tokens: read several times a step per request, so kept, not recounted
 
@@ -195,6 +194,7 @@ class _RouteLog:
     def gather(self, rows: list[int]) -> np.ndarray:
         if self._joined is None:
             self._joined = np.concatenate(self.steps)
+            self.steps = [self._joined]  # the steps' own arrays can go
         return self._joined[np.asarray(rows, dtype=np.int64)]
 
 
@@ -451,9 +451,8 @@ class RolloutEngine:
         self, step: _Step, out: StepOutputs, scheduler: _Scheduler, log: _RouteLog
     ) -> list[_Request]:
         """Record the step's routing, append the sampled tokens, retire finished requests."""
-        first = log.add(
-            out.routes_TLK.astype(self.route_dtype)
-        )  # a copy: the runner reuses its output buffers
+        # astype copies: the runner reuses its output buffers
+        first = log.add(out.routes_TLK.astype(self.route_dtype))
         tokens, logprobs = out.tokens_S.tolist(), out.logprobs_S.tolist()
         finished = []
         for i, r in enumerate(step.decode):
