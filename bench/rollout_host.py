@@ -29,12 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rollout_decode import QWEN3_30B_A3B, int_list
+
 from rollout import RolloutEngine, SamplingParams
 from rollout.config import RolloutConfig
-from rollout.plan.hardware import MODEL_PRESETS
 from rollout.runner import StepInputs, StepOutputs
 
-QWEN3_30B_A3B = MODEL_PRESETS["qwen3-30b-a3b"]
 NARROW = dict(  # Qwen3-30B-A3B's layers, experts and top-k; tiny widths
     QWEN3_30B_A3B,
     vocab_size=512,
@@ -114,7 +114,7 @@ def int_pair(text: str) -> tuple[int, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=lambda t: [int(x) for x in t.split(",")], default=[32, 128, 256])
+    ap.add_argument("--rows", type=int_list, default=[32, 128, 256])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int_pair, default=(256, 1024), help="MIN,MAX new tokens a request")
     ap.add_argument("--repeats", type=int, default=3)

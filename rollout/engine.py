@@ -627,8 +627,7 @@ class _Scheduler:
         n = len(decode)
         rows = np.fromiter((r.row for r in decode), np.int64, n)
         lengths = np.fromiter((r.length for r in decode), np.int64, n)
-        short = self.table.blocks_for(lengths) > self.table.num_held_R[rows]
-        return [decode[i] for i in np.flatnonzero(short)]
+        return [decode[i] for i in np.flatnonzero(self.table.outgrown(rows, lengths))]
 
     def _grow(self, r: _Request) -> None:
         """Blocks for the position r feeds next; preempts the youngest running requests until they fit."""

@@ -145,6 +145,11 @@ class BlockTable:
         self.version += 1
         return True
 
+    def outgrown(self, rows_R: np.ndarray, num_positions_R: np.ndarray) -> np.ndarray:
+        """Which rows need more blocks than they hold for positions [0, num_positions_R) (bool [R]): only those
+        need `grow`, so a step checks all its decoding rows at once."""
+        return self.blocks_for(num_positions_R) > self.num_held_R[rows_R]
+
     def release(self, row: int) -> None:
         """Return the row's blocks (most recently taken first back on top) and the row itself."""
         held = int(self.num_held_R[row])
