@@ -18,8 +18,9 @@ Section `mixed`: a mixed step's experts, D decode rows and P prefill tokens in o
 D:P, against the D decode rows alone (what a mixed step adds to a decode step's MoE time): the persistent
 kernel cut by phase (decode tiles of 16 rows, prefill tiles of 128: an expert both phases use is read by two
 tiles; the engine's cut for P over rollout.kernels.tiling's S = 16 E / K tokens), the same pass with all D + P
-tokens cut into decode tiles (num_decode = D + P: the engine's cut for P <= S; `same_bits` records whether
-rows come out bitwise as in the phase cut), and the grouped and padded paths (one pass over the pairs per
+tokens cut into decode tiles (num_decode = D + P: the engine's cut for P <= S), the same pass with all of them in
+prefill tiles (num_decode = 0: each expert's pairs read its weights once, in 128-row tiles), `same_bits` recording
+whether rows come out bitwise as in the phase cut, and the grouped and padded paths (one pass over the pairs per
 expert, whatever their phase).
 
 Section `sweep`: the persistent kernel's launch parameters for one decode pass (`--sweep-decode` tokens) and one
@@ -198,31 +199,32 @@ def time_pass(layer: Layer, row: dict, path: str, x: dict, num_decode: int, ref,
     return out
 
 
-MIXED_VARIANTS = (  # (name, path, all tokens in decode tiles)
-    ("decode alone", "persistent", False),
-    ("persistent", "persistent", False),
-    ("persistent, one phase", "persistent", True),
-    ("grouped", "grouped", False),
-    ("padded", "padded", False),
+MIXED_VARIANTS = (  # (name, path, the kernel's cut: how many of the D + P tokens it tiles as decode rows)
+    ("decode alone", "persistent", "all"),
+    ("persistent", "persistent", "phase"),
+    ("persistent, decode tiles", "persistent", "all"),
+    ("persistent, prefill tiles", "persistent", "none"),
+    ("grouped", "grouped", "phase"),
+    ("padded", "padded", "phase"),
 )
 
 
 def section_mixed(layer: Layer, args) -> list[dict]:
     """Every --mixed D:P pass through every MIXED_VARIANTS entry, graph-timed, with its time over the D decode
-    rows alone (the first variant). The one-phase variant also records whether its rows came out bitwise equal
-    to the phase-split launch's (`same_bits`): whether a row's result depends on the height of its tile."""
+    rows alone (the first variant). The one-height variants also record whether their rows came out bitwise
+    equal to the phase-split launch's (`same_bits`): whether a row's result depends on the height of its tile."""
     rows = []
     for num_decode, num_prefill in args.mixed:
         x = layer.inputs(num_decode + num_prefill, seed=num_decode * 7919 + num_prefill)
         ref = layer.reference(x)
         alone_us, outs = None, {}
-        for name, path, one_phase in MIXED_VARIANTS:
+        for name, path, cut in MIXED_VARIANTS:
             part = {k: v[:num_decode] for k, v in x.items()} if name == "decode alone" else x
-            decode = part["h_TH"].shape[0] if one_phase or name == "decode alone" else num_decode
+            decode = {"all": part["h_TH"].shape[0], "phase": num_decode, "none": 0}[cut]
             row = {"decode": num_decode, "prefill": num_prefill, "variant": name}
             want = ref[:num_decode] if name == "decode alone" else ref
             out = outs[name] = time_pass(layer, row, path, part, decode, want, args)
-            if one_phase and out is not None and outs.get("persistent") is not None:
+            if name.startswith("persistent,") and out is not None and outs.get("persistent") is not None:
                 row["same_bits"] = bool(torch.equal(out, outs["persistent"]))
             if "us" in row:
                 alone_us = alone_us or row["us"]

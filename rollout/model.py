@@ -148,8 +148,8 @@ class MoeDecoder:
     ) -> torch.Tensor:
         """residual + sum_k w_tk down_e(silu(gate_e h_t) * up_e h_t), e = ids_tk; the k-sum runs over the pairs in
         token order (deterministic, unlike index_add). The first `num_decode` tokens are decode rows (the
-        persistent kernel schedules their tiles first; a small prefill segment joins them in decode tiles,
-        `kernel_num_decode`)."""
+        persistent kernel tiles a mixed step's tokens all in decode tiles or all in prefill tiles by the size of
+        its prefill segment, `kernel_num_decode`)."""
         num_tokens, k = ids_TK.shape
         if self.persistent:
             return persistent_moe(

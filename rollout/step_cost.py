@@ -7,9 +7,10 @@ A step of `rows` decoding rows attending to `keys` cached positions, plus `p` pr
 
 with x_dec and x_pre the persistent kernel's decode and prefill tiles over the L MoE layers, sum_l sum_e
 ceil(m_le / M) (m_le: the (token, expert) pairs of expert e in layer l that the tiles hold; M: their height,
-BLOCK_M_DECODE or BLOCK_M_PREFILL). The kernel cuts a small prefill segment (at most S tokens,
-rollout.kernels.tiling) into decode tiles with the decoding rows: x_dec then counts the tiles of all rows + p
-tokens and x_pre is 0. The coefficients are fitted by non-negative least squares from the engine's own steps
+BLOCK_M_DECODE or BLOCK_M_PREFILL). The kernel cuts a mixed step's tokens by the size of its prefill segment
+(rollout.kernels.tiling): at most S tokens go into decode tiles with the decoding rows (x_dec counts the tiles
+of all rows + p tokens, x_pre is 0), a larger segment takes the rows into prefill tiles with it (x_pre counts
+them all, x_dec is 0). The coefficients are fitted by non-negative least squares from the engine's own steps
 (their wall time and their actual tiles, counted from the routing they recorded). Before a step the tiles are not
 known yet: they are taken at their expectation under uniform routing, E[x] = L E E[ceil(m / M)] with
 m ~ Binomial(tokens, K / E).
@@ -17,12 +18,12 @@ m ~ Binomial(tokens, K / E).
 The prefill budget of a step is the largest p whose extra time, over the decode-only step's, stays within
 s x that step's time:
 
-    extra(p) = c_ptok p + c_ptiles E[x_pre(p)]                           (a prefill segment in prefill tiles)
-    extra(p) = c_ptok p + c_dtiles (E[x_dec(rows + p)] - E[x_dec(rows)])  (in decode tiles: p <= S)
+    extra(p) = c_ptok p + c_ptiles E[x_pre(rows + p)] - c_dtiles E[x_dec(rows)]  (all in prefill tiles: p > S)
+    extra(p) = c_ptok p + c_dtiles (E[x_dec(rows + p)] - E[x_dec(rows)])         (all in decode tiles: p <= S)
     extra(p) <= s (c0 + c_rows rows + c_keys keys + c_dtiles E[x_dec(rows)]),
 
-i.e. predicted time <= (1 + s) x the decode-only step's. Each branch grows monotonically in p. The first does
-not depend on the step: it is tabulated for p = 0..max_tokens once per fit and searched above S; only the S + 1
+i.e. predicted time <= (1 + s) x the decode-only step's. Each branch grows monotonically in p. The first is
+tabulated for p = 0..max_tokens once per fit and number of decoding rows and searched above S; only the S + 1
 values of the second are computed per step, so a step's budget costs microseconds of host time.
 
 When not even `min_tokens` fit the bound, no chunk size keeps it, and throttling would only multiply the mixed
@@ -76,6 +77,26 @@ class StepShape:
         return np.array([1.0, self.rows, self.keys, self.dec_tiles, self.prefill_tokens, self.prefill_tiles])
 
 
+class _ExpectedTiles:
+    """E[x(n)] over the MoE layers for n = 0, 1, ... tokens in tiles of one height, computed once and extended on
+    demand."""
+
+    def __init__(self, layers: int, num_experts: int, top_k: int, tile_m: int):
+        self.layers, self.num_experts, self.top_k, self.tile_m = layers, num_experts, top_k, tile_m
+        self.table_N = np.zeros(0)
+
+    def upto(self, n: int) -> np.ndarray:
+        """[n + 1]: E[x(0..n)]."""
+        have = len(self.table_N)
+        if have <= n:
+            more = [
+                self.layers * expected_tiles(t, self.num_experts, self.top_k, self.tile_m)
+                for t in range(have, n + 1)
+            ]
+            self.table_N = np.concatenate([self.table_N, more])
+        return self.table_N[: n + 1]
+
+
 class _Ring:
     """The last `size` steps of one stratum."""
 
@@ -124,9 +145,15 @@ class PrefillBudget:
     recorded: int = 0  # steps recorded over the model's life
     # (rows scale, prefill scale) -> a ring of that stratum's last steps: features [per_stratum, F], seconds
     _strata: dict[tuple[int, int], _Ring] = field(default_factory=dict)
-    _prefill_tiles: np.ndarray | None = None  # [max_tokens + 1]: E[x_pre(p)] over the MoE layers
-    _decode_tiles: np.ndarray | None = None  # [n]: E[x_dec(rows)] over the MoE layers, extended on demand
-    _extra: np.ndarray | None = None  # [max_tokens + 1]: c_ptok p + c_ptiles E[x_pre(p)] under `coef`
+    _decode_tiles: _ExpectedTiles = field(init=False)  # E[x_dec(n)] over the MoE layers
+    _prefill_tiles: _ExpectedTiles = field(init=False)  # E[x_pre(n)] over the MoE layers
+    # rows -> [max_tokens + 1]: extra(p) of p prefill tokens in prefill tiles beside `rows` rows, under `coef`
+    _extra: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        layers, e, k = self.num_moe_layers, self.num_experts, self.top_k
+        self._decode_tiles = _ExpectedTiles(layers, e, k, BLOCK_M_DECODE)
+        self._prefill_tiles = _ExpectedTiles(layers, e, k, BLOCK_M_PREFILL)
 
     @property
     def small_prefill(self) -> int:
@@ -158,7 +185,8 @@ class PrefillBudget:
         typical = y <= self.outlier * (X @ coef)
         if not typical.all() and typical.sum() >= self.min_steps:
             coef, _ = nnls(X[typical], y[typical])
-        self.coef, self._extra = coef, None
+        self.coef = coef
+        self._extra.clear()
 
     def steps(self) -> tuple[np.ndarray, np.ndarray]:
         """The steps the fit reads: features [N, F] and seconds [N], every stratum's."""
@@ -167,51 +195,35 @@ class PrefillBudget:
 
     def expected(self, rows: int, keys: int, prefill_tokens: int) -> StepShape:
         """A step's shape before it runs: its tiles at their expectation under uniform routing."""
-        if prefill_tokens and prefill_in_decode_tiles(prefill_tokens, rows, self.top_k, self.num_experts):
-            return StepShape(rows, keys, float(self._tiles_N(rows + prefill_tokens)[-1]), prefill_tokens, 0.0)
-        return StepShape(
-            rows, keys, float(self._tiles_N(rows)[-1]), prefill_tokens, self._tiles_P()[prefill_tokens]
-        )
+        n, p = rows + prefill_tokens, prefill_tokens
+        if not p:
+            return StepShape(rows, keys, self._decode_tiles.upto(rows)[-1], 0, 0.0)
+        if prefill_in_decode_tiles(p, rows, self.top_k, self.num_experts):
+            return StepShape(rows, keys, self._decode_tiles.upto(n)[-1], p, 0.0)
+        return StepShape(rows, keys, 0.0, p, self._prefill_tiles.upto(n)[-1])
 
     def measured(self, rows: int, keys: int, routes_TLK: np.ndarray) -> StepShape:
         """A step's shape after it ran, its tiles counted from its routing (decoding rows first, then prefill),
         cut as the kernel cut them."""
         e, p = self.num_experts, routes_TLK.shape[0] - rows
-        if p and prefill_in_decode_tiles(p, rows, self.top_k, e):
+        if not p or prefill_in_decode_tiles(p, rows, self.top_k, e):
             return StepShape(rows, keys, phase_tiles(routes_TLK, e, BLOCK_M_DECODE), p, 0.0)
-        decode, prefill = routes_TLK[:rows], routes_TLK[rows:]
-        return StepShape(
-            rows, keys, phase_tiles(decode, e, BLOCK_M_DECODE), p, phase_tiles(prefill, e, BLOCK_M_PREFILL)
-        )
+        return StepShape(rows, keys, 0.0, p, phase_tiles(routes_TLK, e, BLOCK_M_PREFILL))
 
-    def _tiles_N(self, n: int) -> np.ndarray:
-        """E[x_dec(0..n)] over the MoE layers: decode tiles of 0..n rows (computed once, extended as needed)."""
-        have = 0 if self._decode_tiles is None else len(self._decode_tiles)
-        if have <= n:
-            e, k, layers = self.num_experts, self.top_k, self.num_moe_layers
-            more = [layers * expected_tiles(r, e, k, BLOCK_M_DECODE) for r in range(have, n + 1)]
-            self._decode_tiles = np.concatenate([self._decode_tiles if have else np.zeros(0), more])
-        return self._decode_tiles[: n + 1]
-
-    def _tiles_P(self) -> np.ndarray:
-        """E[x_pre(p)] over the MoE layers for p = 0..max_tokens (the same for every step: computed once)."""
-        if self._prefill_tiles is None:
-            e, k, layers = self.num_experts, self.top_k, self.num_moe_layers
-            self._prefill_tiles = np.array(
-                [layers * expected_tiles(p, e, k, BLOCK_M_PREFILL) for p in range(self.max_tokens + 1)]
-            )
-        return self._prefill_tiles
-
-    def _extra_P(self) -> np.ndarray:
-        """The predicted extra step time of p prefill tokens in prefill tiles, p = 0..max_tokens."""
-        if self._extra is None:
-            self._extra = self.coef[4] * np.arange(self.max_tokens + 1) + self.coef[5] * self._tiles_P()
-        return self._extra
+    def _extra_large(self, rows: int) -> np.ndarray:
+        """The predicted extra step time of p = 0..max_tokens prefill tokens taking `rows` decoding rows into
+        prefill tiles (the kernel's cut above S), tabulated once per fit and number of rows."""
+        if rows not in self._extra:
+            tiles_N = self._prefill_tiles.upto(rows + self.max_tokens)[rows:]
+            decode_tiles = self._decode_tiles.upto(rows)[-1]
+            p_P = np.arange(self.max_tokens + 1)
+            self._extra[rows] = self.coef[4] * p_P + self.coef[5] * tiles_N - self.coef[3] * decode_tiles
+        return self._extra[rows]
 
     def _extra_small(self, rows: int) -> np.ndarray:
         """The predicted extra step time of p = 0..S prefill tokens in decode tiles beside `rows` rows."""
         s = self.small_prefill
-        tiles_N = self._tiles_N(rows + s)
+        tiles_N = self._decode_tiles.upto(rows + s)
         return self.coef[4] * np.arange(s + 1) + self.coef[3] * (tiles_N[rows:] - tiles_N[rows])
 
     def predict(self, shape: StepShape) -> float:
@@ -226,7 +238,7 @@ class PrefillBudget:
         decode_s = self.predict(self.expected(rows, keys, 0))
         bound = self.slowdown * decode_s
         # the largest p whose extra time fits: above S from the table, else among the small chunks (p = 0 fits)
-        fits = int(np.searchsorted(self._extra_P(), bound, side="right")) - 1
+        fits = int(np.searchsorted(self._extra_large(rows), bound, side="right")) - 1
         if fits <= self.small_prefill:
             fits = int(np.searchsorted(self._extra_small(rows), bound, side="right")) - 1
         floor = min(self.min_tokens, self.max_tokens)
@@ -238,7 +250,7 @@ class PrefillBudget:
         """The chunk with the most prefill tokens per second of extra step time (the bound cannot hold)."""
         sizes_P = np.array([*range(floor, self.max_tokens, floor), self.max_tokens])
         small_P = sizes_P <= self.small_prefill
-        extra_P = self._extra_P()[sizes_P]
+        extra_P = self._extra_large(rows)[sizes_P]
         extra_P[small_P] = self._extra_small(rows)[sizes_P[small_P]]
         per_s_P = sizes_P / np.maximum(extra_P, 1e-12)
         chosen = int(sizes_P[np.argmax(per_s_P >= 0.99 * per_s_P.max())])

@@ -1,20 +1,22 @@
-"""The persistent MoE kernel's tile heights, and the rule that picks the height of a mixed step's prefill tokens.
+"""The persistent MoE kernel's tile heights, and the rule that cuts a mixed step's tokens into them.
 
 Torch-free: the engine (rollout.model) and its step cost model (rollout.step_cost) read the same rule.
 
-A decode tile holds at most BLOCK_M_DECODE pairs of one expert, a prefill tile BLOCK_M_PREFILL. In a mixed step
-cut by phase, every expert that both phases route to has its weights read twice from memory, once by its decode
-tiles and again by its prefill tile, whose MMA over 128 rows is mostly empty when the prefill segment is small.
-Cut into decode tiles with the decoding rows, an expert's tiles are adjacent in the tile order, so its weights
-are read once and its later tiles find them in L2. Measured on an H100 (Qwen3-30B-A3B experts, bf16,
-graph-timed; `bench/rollout_expertplex.py --sections mixed`, bench/RESULTS.md): beside 32 or 128 decode rows,
-16-256 prefill tokens took the layer's experts 1.59-1.98x the decode rows' time alone cut by phase, 1.00-1.23x
-in decode tiles; 2,048 tokens 2.32x against 3.90x. A prefill pass alone keeps prefill tiles: it reads each
-expert once either way, and 512 tokens took 0.50 ms in prefill tiles where 256 and 1,024 decode rows took 0.49
-and 0.96 ms. So a mixed step's prefill segment goes into decode tiles while its expected pairs per expert fill
-one decode tile (16: 256 tokens of a 128-expert top-8 model), the largest segment measured to gain at every
-measured decode batch. Rows come out bitwise the same in either height (`same_bits` in that section; tested in
-tests/rollout/test_persistent_moe.py), so the choice changes no token.
+A decode tile holds at most BLOCK_M_DECODE pairs of one expert, a prefill tile BLOCK_M_PREFILL. Cut by phase (the
+decoding rows in decode tiles, the prefill segment in prefill tiles), every expert that both phases route to has
+its weights read twice from memory, and a small segment's prefill tiles run 128-row MMAs that are mostly empty.
+The engine therefore puts all of a mixed step's tokens into tiles of one height, where each expert's tiles are
+adjacent in the tile order: its weights are read once and its later tiles find them in L2.
+- A small prefill segment goes into decode tiles with the rows, while its expected pairs per expert fill one
+  decode tile (16: 256 tokens of a 128-expert top-8 model). Measured on an H100 (Qwen3-30B-A3B experts, bf16,
+  graph-timed; `bench/rollout_expertplex.py --sections mixed`, bench/RESULTS.md): beside 32 or 128 decode rows,
+  16-256 prefill tokens took the layer's experts 1.00-1.23x the decode rows' time alone in decode tiles, against
+  1.59-1.98x cut by phase; 2,048 tokens took 3.90x in decode tiles, where 16-row tiles are too short for it.
+- A larger segment takes the rows into prefill tiles with it: the pass is then a prefill pass of rows + segment
+  tokens, which costs less than the same segment's prefill pass plus a decode pass of the rows (the phase cut,
+  2.32x the rows alone at 128 + 2,048 tokens; a 2,048-token prefill pass alone took 1.45x a 128-row decode pass).
+A pass of one phase keeps its own tiles. Rows come out bitwise the same in either height (`same_bits` in that
+section; tested in tests/rollout/test_persistent_moe.py), so the cut changes no token.
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ def prefill_in_decode_tiles(prefill_tokens: int, decode_rows: int, top_k: int, n
 
 
 def kernel_num_decode(num_tokens: int, num_decode: int, top_k: int, num_experts: int) -> int:
-    """The tokens the kernel tiles as decode rows (its `num_decode`): all of a mixed step's tokens when its
-    prefill segment (tokens [num_decode, num_tokens)) is small, else the decoding rows alone."""
-    if prefill_in_decode_tiles(num_tokens - num_decode, num_decode, top_k, num_experts):
-        return num_tokens
-    return num_decode
+    """The tokens the kernel tiles as decode rows (its `num_decode`): a pass of one phase keeps its own tiles; a
+    mixed step's tokens go all into decode tiles when its prefill segment (tokens [num_decode, num_tokens)) is
+    small, else all into prefill tiles (0), so each expert's weights are read once either way."""
+    if num_decode in (0, num_tokens):
+        return num_decode
+    small = prefill_in_decode_tiles(num_tokens - num_decode, num_decode, top_k, num_experts)
+    return num_tokens if small else 0

@@ -32,13 +32,14 @@ def test_small_prefill_fills_one_decode_tile_per_expert(top_k, num_experts):
 
 def test_kernel_num_decode():
     assert kernel_num_decode(num_tokens=128 + 256, num_decode=128, top_k=8, num_experts=128) == 384
-    assert kernel_num_decode(num_tokens=128 + 257, num_decode=128, top_k=8, num_experts=128) == 128
+    # a larger prefill segment takes the rows into prefill tiles with it
+    assert kernel_num_decode(num_tokens=128 + 257, num_decode=128, top_k=8, num_experts=128) == 0
     assert kernel_num_decode(num_tokens=64, num_decode=64, top_k=8, num_experts=128) == 64  # decode only
     assert kernel_num_decode(num_tokens=200, num_decode=0, top_k=8, num_experts=128) == 0  # prefill only
 
 
 @pytest.mark.parametrize(
-    ("tokens", "num_decode", "want"), [(40, 8, 40), (200, 8, 8), (100, 0, 0), (12, 12, 12)]
+    ("tokens", "num_decode", "want"), [(40, 8, 40), (200, 8, 0), (100, 0, 0), (12, 12, 12)]
 )
 def test_the_engines_expert_path_passes_the_kernel_that_choice(monkeypatch, tokens, num_decode, want):
     """MoeDecoder.experts on the persistent path, E = 16, K = 2: S = 16 x 16 / 2 = 128 prefill tokens."""

@@ -322,10 +322,10 @@ import rollout.kernels.tiling as tiling
 
 # Steps of at most 6 tokens: decode rows and prompt chunks share steps, so the kernel sees both phases. Their
 # prefill segments are small, so the kernel cuts them into decode tiles with the rows; with the rule's threshold
-# at 0 it cuts them by phase.
+# at 0 the rows go into prefill tiles with them.
 outs = {}
 for name, kernel, small_pairs in (("grouped", "grouped", 16), ("decode_tiles", "persistent", 16),
-                                  ("by_phase", "persistent", 0)):
+                                  ("prefill_tiles", "persistent", 0)):
     tiling.SMALL_PREFILL_PAIRS = small_pairs
     config = RolloutConfig(
         max_model_len=64, max_batch_size=4, kv_cache_tokens=4 * 64, max_step_tokens=6, expert_kernel=kernel
@@ -334,7 +334,7 @@ for name, kernel, small_pairs in (("grouped", "grouped", 16), ("decode_tiles", "
     outs[name] = engine.generate(json.loads(sys.argv[2]), SamplingParams(max_new_tokens=8, temperature=0))
     mixed = engine.last_stats.num_mixed_steps
 result = {"mixed_steps": mixed}
-for name in ("decode_tiles", "by_phase"):
+for name in ("decode_tiles", "prefill_tiles"):
     pairs = list(zip(outs["grouped"], outs[name]))
     result[name] = {
         "tokens_equal": all(a.token_ids == b.token_ids for a, b in pairs),
@@ -350,7 +350,7 @@ def test_persistent_expert_kernel_equals_grouped_in_the_engine(qwen_ckpt):
     routes and log-probs (fp32) through mixed prefill + decode steps, whichever way it cuts their prefill."""
     result = interpreter_results("-c", ENGINE_PERSISTENT, str(qwen_ckpt), json.dumps(PROMPTS), timeout=600)
     assert result["mixed_steps"] > 0, result
-    for cut in ("decode_tiles", "by_phase"):
+    for cut in ("decode_tiles", "prefill_tiles"):
         assert result[cut]["tokens_equal"] and result[cut]["routes_equal"], result
         assert result[cut]["logprob_diff"] < 1e-5, result
 

@@ -134,46 +134,47 @@ def _extra_per_token(model: PrefillBudget, rows: int, keys: int, p: int) -> floa
     return p / (model.predict(model.expected(rows, keys, p)) - decode_s)
 
 
-TILE_BOUND = np.array([2e-3, 1e-5, 2e-8, 4e-5, 3e-6, 2e-5])  # a decode tile costs 2x a prefill tile
+# a prefill tile (128 rows) costs 2x a decode tile (16)
+TILE_BOUND = np.array([2e-3, 1e-5, 2e-8, 4e-5, 3e-6, 8e-5])
 
 
 def test_an_unreachable_bound_with_a_fixed_prefill_cost_takes_whole_chunks(caplog):
     model = _budget(slowdown=0.02, coef=TILE_BOUND)
     # each prefill token opens decode tiles in the ~3 of its 8 experts x 4 layers that the 8 rows left untouched:
     # even one breaks a 2% bound here, and the first tokens' tiles are most of a small chunk's extra time, so
-    # larger chunks cost less per token
+    # larger chunks cost less per token, up to the size where the experts' second prefill tiles begin (p tokens
+    # put p / 8 pairs on each of the 64 experts: a 128-row tile is full at 1,024)
     assert model.predict(model.expected(8, 40_000, 1)) > 1.02 * model.predict(model.expected(8, 40_000, 0))
     with caplog.at_level("WARNING", logger="rollout.step_cost"):
         p = model.budget(8, 40_000)
-        assert model.budget(4, 20_000) > 1024
+        assert model.budget(4, 20_000) > 512
     best = max(_extra_per_token(model, 8, 40_000, q) for q in range(16, 2049))
     assert _extra_per_token(model, 8, 40_000, p) >= 0.98 * best
-    assert p > 1024 and _extra_per_token(model, 8, 40_000, p) > 10 * _extra_per_token(model, 8, 40_000, 16)
+    assert p > 512 and _extra_per_token(model, 8, 40_000, p) > 10 * _extra_per_token(model, 8, 40_000, 16)
     assert model.unmet_steps == 2
     assert [r.getMessage() for r in caplog.records if "max_decode_slowdown=0.02" in r.getMessage()] != []
     assert len(caplog.records) == 1  # logged once
     assert model.budget(0, 0) == 2048  # no decoding row to protect
 
 
-def test_small_chunks_are_priced_in_decode_tiles_beside_the_rows():
+def test_chunks_are_priced_in_the_tiles_the_kernel_cuts():
     """The kernel cuts up to S = 16 E / K prefill tokens into decode tiles with the decoding rows: such a chunk's
     extra time is its decode tiles beyond the rows' own (experts the rows touched already cost nothing more)
-    plus its tokens; a larger chunk's is its prefill tiles plus its tokens."""
+    plus its tokens. A larger chunk takes the rows into prefill tiles with it: the step's tiles are all prefill
+    tiles, of rows + p tokens."""
     model = _budget(coef=COEF)
     assert model.small_prefill == 16 * 64 // 8
     small, large = model.expected(20, 1000, 100), model.expected(20, 1000, 129)
     assert small.prefill_tiles == 0 and small.dec_tiles == model.expected(120, 1000, 0).dec_tiles
-    assert large.dec_tiles == model.expected(20, 1000, 0).dec_tiles and large.prefill_tiles > 0
+    assert large.dec_tiles == 0 and large.prefill_tiles == model.expected(0, 0, 149).prefill_tiles
+    assert model.expected(0, 0, 149).prefill_tiles > model.expected(0, 0, 129).prefill_tiles > 0
     routes = np.random.default_rng(0).integers(0, 64, size=(30, 4, 8))
     assert model.measured(10, 500, routes) == StepShape(10, 500, phase_tiles(routes, 64, 16), 20, 0.0)
+    assert model.measured(30, 500, routes) == StepShape(30, 500, phase_tiles(routes, 64, 16), 0, 0.0)
     prefill_alone = StepShape(0, 0, 0, 30, phase_tiles(routes, 64, 128))
     assert model.measured(0, 0, routes) == prefill_alone
     routes = np.random.default_rng(0).integers(0, 64, size=(10 + 500, 4, 8))
-    shape = model.measured(10, 500, routes)
-    assert (shape.dec_tiles, shape.prefill_tiles) == (
-        phase_tiles(routes[:10], 64, 16),
-        phase_tiles(routes[10:], 64, 128),
-    )
+    assert model.measured(10, 500, routes) == StepShape(10, 500, 0.0, 500, phase_tiles(routes, 64, 128))
     # the budget is the largest chunk within the bound, on either side of S
     for rows, slowdown in ((8, 0.3), (8, 2.0), (64, 0.05)):
         model = _budget(coef=COEF, slowdown=slowdown)
