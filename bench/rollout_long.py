@@ -45,6 +45,15 @@ a decode-only step of the same rows). Comparison: paged / slot ratios of peak se
 and tokens/s, per mode.
 The full run is long (the longest requests decode alone for up to max_output steps); `--engines paged` and
 `--engines slot` split it into two runs, and the JSON is rewritten after every section.
+Time limit (`--time-limit-s T`, for runs longer than a device call): after T seconds of a section its steps stop
+running on the device. The runner then answers at once (random tokens of each step's shapes, rollout_host's
+InstantRunner), so the schedule, which does not depend on the tokens (ignore_eos, drawn lengths), runs to its
+end on the host: step counts, rows, KV positions, peaks and preemptions stay the real schedule's. Each such
+step's device time is predicted by a non-negative least-squares fit of the measured steps' seconds over (1,
+decode rows, their keys, experts touched, prefill tokens, KV positions held); a predicted step's experts touched
+are their expectation under uniform routing. Wall time and tokens/s are then measured + predicted, and the
+section records its measured share and the fit's median error on its last fifth of measured steps, fitted on
+the rest (`extrapolation`); the roofline and step-time bins read the measured steps only.
 Bound (`--bound`, no engine, seconds of CPU): the workload's two schedules costed step by step at `--gpu`'s
 roofline by the planner's model (rollout/plan/schedule.py): the slot cache's (its slots admit the requests in
 order) and a paged cache's with unlimited K/V (every request admitted at once, up to --max-batch-size rows).
@@ -66,6 +75,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from scipy.optimize import nnls
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -82,6 +92,7 @@ from rollout_decode import (
     step_floor_bytes,
     sync,
 )
+from rollout_host import InstantRunner
 
 from rollout import RolloutEngine, SamplingParams
 from rollout.config import RolloutConfig
@@ -253,6 +264,90 @@ def run_windows(
     return tokens, rounds, time.perf_counter() - t0
 
 
+# --------------------------------------------------------------------------------------------- time limit
+class CutRunner:
+    """The engine's runner for a section under --time-limit-s: the real runner until the limit, then an
+    InstantRunner (the step's shapes answered at once). Every other attribute is the real runner's."""
+
+    def __init__(self, real, instant: InstantRunner, limit_s: float, clock=time.perf_counter) -> None:
+        self.real, self.instant, self.clock = real, instant, clock
+        self.deadline = clock() + limit_s
+        self.real_steps = 0  # the section's steps that ran on the device: the first ones of its trace
+
+    def run(self, x):
+        if self.clock() < self.deadline:
+            self.real_steps += 1
+            return self.real.run(x)
+        return self.instant.run(x)
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+
+def cut_runner(engine: RolloutEngine, limit_s: float, clock=time.perf_counter) -> CutRunner:
+    spec, c = engine.spec, engine.config
+    instant = InstantRunner(
+        spec.vocab_size, spec.num_moe_layers, spec.top_k, c.max_step_tokens + c.max_batch_size
+    )
+    return CutRunner(engine.runner, instant, limit_s, clock)
+
+
+def step_features(steps: list[StepTrace], measured: int, spec: MoeModelSpec) -> np.ndarray:
+    """[N, 6]: (1, decode rows, their keys, experts touched, prefill tokens, KV positions) per step; a predicted
+    step's (index >= measured) experts touched at their expectation under uniform routing, L E (1 - (1 - K/E)^n)."""
+    e, k, layers = spec.num_experts, spec.top_k, spec.num_moe_layers
+    X = np.array(
+        [[1.0, s.num_decode, s.decode_keys, s.experts_touched, s.num_prefill, s.kv_positions] for s in steps]
+    ).reshape(len(steps), 6)
+    tokens_N = X[measured:, 1] + X[measured:, 4]
+    X[measured:, 3] = layers * e * (1 - (1 - k / e) ** tokens_N)
+    return X
+
+
+def extrapolate(
+    rounds: list[GenerateStats], measured: int, spec: MoeModelSpec
+) -> tuple[list[GenerateStats], float, dict]:
+    """The section's calls with every step after the first `measured` given its predicted device time (the
+    calls' step seconds adjusted to match), the seconds this adds to the wall time, and what the fit was."""
+    steps = [s for st in rounds for s in st.steps]
+    info = {"measured_steps": measured, "predicted_steps": len(steps) - measured}
+    if measured >= len(steps):
+        return rounds, 0.0, info
+    X, y = step_features(steps, measured, spec), np.array([s.seconds for s in steps])
+    fit = np.array([i for i in range(measured) if not steps[i].captured_graph], dtype=np.int64)
+    if len(fit) < 2 * X.shape[1]:
+        raise RuntimeError(
+            f"--time-limit-s: {len(fit)} measured steps are too few to predict {len(steps) - measured} more; "
+            "raise the limit"
+        )
+    coef, _ = nnls(X[fit], y[fit])
+    head, tail = fit[: len(fit) * 4 // 5], fit[len(fit) * 4 // 5 :]
+    head_coef, _ = nnls(X[head], y[head])
+    predicted_N = X[measured:] @ coef
+    out, i = [], 0
+    for st in rounds:
+        new_steps, add = [], {"prefill_s": 0.0, "decode_s": 0.0, "mixed_s": 0.0}
+        for s in st.steps:
+            if i >= measured:
+                delta = float(predicted_N[i - measured]) - s.seconds
+                add["decode_s" if s.num_decode else "prefill_s"] += delta
+                add["mixed_s"] += delta if s.num_decode and s.num_prefill else 0.0
+                s = dataclasses.replace(s, seconds=float(predicted_N[i - measured]))
+            new_steps.append(s)
+            i += 1
+        out.append(
+            dataclasses.replace(st, steps=new_steps, **{k: getattr(st, k) + v for k, v in add.items()})
+        )
+    added = float(predicted_N.sum() - y[measured:].sum())
+    info.update(
+        predicted_s=float(predicted_N.sum()),
+        coef=dict(zip(("one", "rows", "keys", "touched", "prefill_tokens", "kv_positions"), coef.tolist())),
+        holdout_steps=len(tail),
+        holdout_median_error=float(np.median(np.abs(X[tail] @ head_coef - y[tail]) / y[tail])),
+    )
+    return out, added, info
+
+
 # --------------------------------------------------------------------------------------------- metrics
 def roofline(steps: list[StepTrace], parts: dict, args) -> dict:
     """Mean floor / measured time per step, over decode-only steps, the long ones among them, and mixed steps
@@ -317,9 +412,12 @@ def step_time_bins(steps: list[StepTrace], width: int) -> list[dict]:
     return out
 
 
-def summarize(rounds: list[GenerateStats], wall: float, parts: dict, args) -> dict:
-    """One section's numbers over all its generate calls (one for plain, one per round for windows)."""
-    steps = [s for st in rounds for s in st.steps]
+def summarize(
+    rounds: list[GenerateStats], wall: float, parts: dict, args, measured: int | None = None
+) -> dict:
+    """One section's numbers over all its generate calls (one for plain, one per round for windows); the
+    roofline and the step-time bins over its first `measured` steps (all by default)."""
+    steps = [s for st in rounds for s in st.steps][:measured]
     block = rounds[0].kv_block_size
     generated = sum(st.num_generated_tokens for st in rounds)
     decode_steps = sum(st.num_decode_steps for st in rounds)
@@ -406,6 +504,22 @@ def build(kind: str, args, cfg: dict, device, dtype, info: dict) -> RolloutEngin
     return engine
 
 
+def run_mode(
+    engine: RolloutEngine, mode: str, args, work, clock=time.perf_counter
+) -> tuple[list[list[int]], list[GenerateStats], float, CutRunner | None]:
+    """One section's generate calls (under --time-limit-s through a CutRunner timed by `clock`, which it
+    returns)."""
+    prompts, lengths, seeds = work
+    real, cut = engine.runner, cut_runner(engine, args.time_limit_s, clock) if args.time_limit_s else None
+    engine.runner = cut or real
+    try:
+        if mode == "plain":
+            return (*run_plain(engine, prompts, lengths, seeds), cut)
+        return (*run_windows(engine, prompts, lengths, seeds, args.window), cut)
+    finally:
+        engine.runner = real
+
+
 def leaked(engine: RolloutEngine) -> bool:
     """Whether a generate call that raised left sequence rows or blocks held (the engine does not release
     them), which would shrink every later call's capacity."""
@@ -434,14 +548,16 @@ def run_engine_kind(kind: str, args, cfg: dict, device, dtype, work, results: di
                 continue
             print(f"{name}: running", flush=True)
             graphs_before = engine.runner.num_graphs
-            if mode == "plain":
-                tokens, rounds, wall = run_plain(engine, prompts, lengths, seeds)
-                plain_tokens = tokens
-            else:
-                tokens, rounds, wall = run_windows(engine, prompts, lengths, seeds, args.window)
+            tokens, rounds, wall, cut = run_mode(engine, mode, args, (prompts, lengths, seeds))
             if [len(t) for t in tokens] != lengths:
                 raise RuntimeError(f"{name}: some request did not generate its drawn length")
-            row = summarize(rounds, wall, parts, args)
+            measured = cut.real_steps if cut else sum(st.num_steps for st in rounds)
+            rounds, added_s, extrapolation = extrapolate(rounds, measured, engine.spec)
+            row = summarize(rounds, wall + added_s, parts, args, measured)
+            if cut:
+                row["extrapolation"] = extrapolation
+            if mode == "plain":
+                plain_tokens = None if cut and extrapolation["predicted_steps"] else tokens
             row["graphs"] = engine.runner.num_graphs
             row["graphs_new"] = engine.runner.num_graphs - graphs_before
             row["capture_error"] = engine.runner.capture_error
@@ -449,7 +565,7 @@ def run_engine_kind(kind: str, args, cfg: dict, device, dtype, work, results: di
                 row["step_cost"] = step_cost_state(engine.prefill_budget)
             if args.steps_out:
                 write_steps(Path(args.steps_out) / f"{kind}_{mode}.jsonl", rounds)
-            if mode == "windows" and plain_tokens is not None:
+            if mode == "windows" and plain_tokens is not None and "extrapolation" not in row:
                 row["same_tokens_as_plain"] = statistics.mean(a == b for a, b in zip(tokens, plain_tokens))
             results["sections"][name] = row
             print(
@@ -522,6 +638,15 @@ def print_tables(results: dict) -> None:
             f"{fmt(rf['fraction'], '.0%')} | {fmt(rf['long_fraction'], '.0%')} ({rf['long_steps']}) | "
             f"{fmt(r.get('same_tokens_as_plain'), '.0%')} |"
         )
+    for name, r in sections.items():
+        if r.get("extrapolation", {}).get("predicted_steps"):
+            x = r["extrapolation"]
+            print(
+                f"{name}: --time-limit-s cut the run after {x['measured_steps']} of "
+                f"{x['measured_steps'] + x['predicted_steps']} steps; {x['predicted_s']:.2f} s of its "
+                f"wall time are predicted (fit's median error on the held-out measured steps: "
+                f"{fmt(x.get('holdout_median_error'), '.1%')})"
+            )
     print(
         "\n| engine/mode | decode rows | decode-only steps | decode-only ms | mixed steps | mixed ms | "
         "prefill tok / mixed step | mixed / decode-only |"
@@ -606,7 +731,7 @@ def print_bound(bound: dict) -> None:
         print(f"{name}: {BOUND_VARIANTS[name]}")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--tiny", action="store_true", help="2-layer toy model on the CPU, small workload (smoke test)"
@@ -661,6 +786,12 @@ def main() -> None:
         "--bin-rows", type=int, default=32, help="decode rows per bin of the step-time comparison"
     )
     add_attention_arg(ap)
+    ap.add_argument(
+        "--time-limit-s",
+        type=float,
+        default=0.0,
+        help="per section: run the steps on the device for this long, predict the rest's time (0: no limit)",
+    )
     ap.add_argument("--json", default="bench/out/rollout_long.json")
     ap.add_argument("--steps-out", default=None, help="folder for each section's step trace (JSON lines)")
     ap.add_argument(
@@ -675,14 +806,24 @@ def main() -> None:
         default=list(BOUND_VARIANTS),
         help=f"what the bound makes free, some of {','.join(BOUND_VARIANTS)}",
     )
-    if ap.parse_known_args()[0].tiny:  # toy defaults; flags given on the command line still win
+    if ap.parse_known_args(argv)[0].tiny:  # toy defaults; flags given on the command line still win
         ap.set_defaults(**TINY_ARGS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     unknown = (set(args.engines) - {"paged", "slot"}) | (set(args.modes) - {"plain", "windows"})
     if unknown:
         ap.error(
             f"unknown engines/modes {sorted(unknown)}: expected --engines paged,slot --modes plain,windows"
         )
+    if args.time_limit_s and args.max_decode_slowdown:
+        ap.error(
+            "--time-limit-s with --max-decode-slowdown: the mixed steps' budget learns from step times, which "
+            "the steps after the cut do not have, so the schedule would not be the real one; drop one of them"
+        )
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if not args.bound:
         resolve_bandwidth(args, device)
