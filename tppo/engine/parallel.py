@@ -1,11 +1,12 @@
 """Process groups of one trainer: torch.distributed start-up and Megatron's parallel state for TP/PP/EP/DP.
 
-`init_parallel(parallel_cfg)` starts torch.distributed when it is not running yet (gloo on CPU, NCCL on
-GPU, rendezvous from the usual RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT variables or a single-process
-default), initialises Megatron's model-parallel state and returns a `ParallelGroups` record: the explicit
-group objects that code which communicates receives (ReLibra's executor, the weight exporter, the
-gradient-norm reduction). Megatron itself keeps its state in process globals, so one process holds one
-layout: a second call with the same layout returns the same groups, a different layout is refused.
+`init_parallel(parallel_cfg)` starts torch.distributed when it is not running yet (gloo on CPU, NCCL on GPU;
+the ranks of a larger world rendezvous through the usual RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT variables, a
+world of one uses an in-memory store), initialises Megatron's model-parallel state and returns a
+`ParallelGroups` record: the explicit group objects that code which communicates receives (ReLibra's executor,
+the weight exporter, the gradient-norm reduction). Megatron itself keeps its state in process globals, so one
+process holds one layout: a second call with the same layout returns the same groups, a different layout is
+refused.
 
 Experts are never tensor-parallel here (expert_tensor_parallel_size = 1): experts split over EP only.
 """
@@ -90,14 +91,15 @@ def start_torch_distributed(backend: str, timeout_s: float) -> None:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     timeout = datetime.timedelta(seconds=timeout_s)
-    if "MASTER_PORT" not in os.environ:
-        if world > 1:
-            raise ValueError("MASTER_PORT must be set when WORLD_SIZE > 1")
-        # A world of one needs no rendezvous: an in-memory store, no port to reserve or to lose to another process.
+    if world == 1:
+        # A world of one needs no rendezvous: an in-memory store, and no port that another process on the host
+        # could take first, even where the launcher set MASTER_PORT.
         dist.init_process_group(
             backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
         return
+    if "MASTER_PORT" not in os.environ:
+        raise ValueError("MASTER_PORT must be set when WORLD_SIZE > 1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
 
