@@ -90,19 +90,25 @@ def test_cuda_graph_decode_equals_eager_and_matches_transformers(capacity):
     assert np.mean(agree) > 0.95
 
 
-def test_persistent_expert_kernel_graphs_equal_eager_and_match_the_grouped_path():
+@pytest.mark.parametrize("step_tokens", [64, 160])
+def test_persistent_expert_kernel_graphs_equal_eager_and_match_the_grouped_path(step_tokens):
     """rollout.expert_kernel=persistent through decode-only and mixed steps: CUDA graphs give the eager steps' bits,
-    and both stay within bf16 noise of the grouped path and of transformers."""
+    and both stay within bf16 noise of the grouped path and of transformers. With 16 experts top-4 the kernel
+    cuts a mixed step's prefill segment of at most S = 64 tokens into decode tiles with the decoding rows (every
+    mixed step of 64-token steps), a larger one into prefill tiles with them (160-token steps)."""
     hf = _hf_model()
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, 512, size=n).tolist() for n in (5, 90, 17, 140, 33, 8)]
-    params = SamplingParams(max_new_tokens=48, temperature=0)
-    graphs = _engine(hf, graphs=True, expert_kernel="persistent")
-    eager = _engine(hf, graphs=False, expert_kernel="persistent")
-    grouped = _engine(hf, graphs=True, expert_kernel="grouped")
+    # ignore_eos: the schedule follows the lengths alone (mixed steps of 41 and 92 prefill tokens at 160)
+    params = SamplingParams(max_new_tokens=48, temperature=0, ignore_eos=True)
+    step = {"max_step_tokens": step_tokens, "trace_steps": True}
+    graphs = _engine(hf, graphs=True, expert_kernel="persistent", **step)
+    eager = _engine(hf, graphs=False, expert_kernel="persistent", **step)
+    grouped = _engine(hf, graphs=True, expert_kernel="grouped", **step)
     out_g, out_e, out_r = (e.generate(prompts, params) for e in (graphs, eager, grouped))
     assert graphs.runner.capture_error is None and graphs.last_stats.num_graphs > 0
-    assert graphs.last_stats.num_mixed_steps > 0
+    mixed = [s.num_prefill for s in graphs.last_stats.steps if s.num_decode and s.num_prefill]
+    assert mixed and (max(mixed) > 64) == (step_tokens > 64)
     for prompt, a, b, ref in zip(prompts, out_g, out_e, out_r):
         assert a.token_ids == b.token_ids
         np.testing.assert_array_equal(a.logprobs, b.logprobs)
