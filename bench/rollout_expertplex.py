@@ -17,11 +17,11 @@ the fp32 reference (`moe_reference`) is reported too.
 Section `mixed`: a mixed step's experts, D decode rows and P prefill tokens in one pass, for every `--mixed`
 D:P, against the D decode rows alone (what a mixed step adds to a decode step's MoE time): the persistent
 kernel cut by phase (decode tiles of 16 rows, prefill tiles of 128: an expert both phases use is read by two
-tiles; the engine's cut for P over rollout.kernels.tiling's S = 16 E / K tokens), the same pass with all D + P
-tokens cut into decode tiles (num_decode = D + P: the engine's cut for P <= S), the same pass with all of them in
-prefill tiles (num_decode = 0: each expert's pairs read its weights once, in 128-row tiles), `same_bits` recording
-whether rows come out bitwise as in the phase cut, and the grouped and padded paths (one pass over the pairs per
-expert, whatever their phase).
+tiles; the cut of a preemptible prefill, whose decode tiles run first), the same pass with all D + P tokens in
+decode tiles (num_decode = D + P: the engine's cut for P up to rollout.kernels.tiling's S = 16 E / K tokens), the
+same pass with all of them in prefill tiles (num_decode = 0: the engine's cut for P over S; each expert's pairs
+read its weights once, in 128-row tiles), `same_bits` recording whether rows come out bitwise as in the phase
+cut, and the grouped and padded paths (one pass over the pairs per expert, whatever their phase).
 
 Section `sweep`: the persistent kernel's launch parameters for one decode pass (`--sweep-decode` tokens) and one
 prefill pass (`--sweep-prefill`): programs per SM (`--sweep-programs`: the persistent grid is that many times the
