@@ -28,9 +28,12 @@ SMALL_PREFILL_PAIRS = BLOCK_M_DECODE
 
 
 def max_small_prefill(top_k: int, num_experts: int) -> int:
-    """S: the most prefill tokens a mixed step cuts into decode tiles, those whose mean pairs per expert, S K / E,
-    are at most SMALL_PREFILL_PAIRS."""
-    return SMALL_PREFILL_PAIRS * num_experts // top_k
+    """S: the most prefill tokens a mixed step cuts into decode tiles: the largest power of two whose mean pairs
+    per expert, S K / E, are at most SMALL_PREFILL_PAIRS. A power of two, because a CUDA-graph step pads its
+    prefill tokens to one (rollout.runner): p <= S exactly when the padded count is, so the graph, the eager step
+    and the step cost model cut the same way."""
+    most = SMALL_PREFILL_PAIRS * num_experts // top_k
+    return 1 << (most.bit_length() - 1) if most else 0
 
 
 def prefill_in_decode_tiles(prefill_tokens: int, decode_rows: int, top_k: int, num_experts: int) -> bool:

@@ -17,12 +17,20 @@ from rollout.kernels.tiling import (
     max_small_prefill,
     prefill_in_decode_tiles,
 )
+from rollout.runner import _pow2_at_least
 
 
-@pytest.mark.parametrize(("top_k", "num_experts"), [(8, 128), (2, 8), (6, 64)])
+@pytest.mark.parametrize(("top_k", "num_experts"), [(8, 128), (2, 8), (6, 64), (4, 60)])
 def test_small_prefill_fills_one_decode_tile_per_expert(top_k, num_experts):
+    """S is the largest power of two within one decode tile's pairs per expert, so a CUDA-graph step, whose
+    prefill is padded to a power of two (at least 16), is cut as the eager step of its real tokens."""
     s = max_small_prefill(top_k, num_experts)
-    assert s * top_k <= SMALL_PREFILL_PAIRS * num_experts < (s + 1) * top_k
+    assert s & (s - 1) == 0 and s * top_k <= SMALL_PREFILL_PAIRS * num_experts < 2 * s * top_k
+    for p in range(1, 4 * s):
+        padded = _pow2_at_least(p, 16)  # the runner's prefill bucket
+        assert prefill_in_decode_tiles(p, 1, top_k, num_experts) == prefill_in_decode_tiles(
+            padded, 1, top_k, num_experts
+        )
     assert SMALL_PREFILL_PAIRS == BLOCK_M_DECODE < BLOCK_M_PREFILL
     assert prefill_in_decode_tiles(s, 1, top_k, num_experts)
     assert not prefill_in_decode_tiles(s + 1, 1, top_k, num_experts)
