@@ -101,6 +101,7 @@ from rollout.kv_cache import CachePlan, plan_cache
 from rollout.model_spec import MoeModelSpec
 from rollout.plan import GPU_PRESETS, gpu_preset
 from rollout.plan.hardware import shape_from_spec
+from rollout.plan.perf import distinct_experts
 from rollout.plan.schedule import (
     BOUND_VARIANTS,
     RooflineCost,
@@ -295,12 +296,11 @@ def cut_runner(engine: RolloutEngine, limit_s: float, clock=time.perf_counter) -
 def step_features(steps: list[StepTrace], measured: int, spec: MoeModelSpec) -> np.ndarray:
     """[N, 6]: (1, decode rows, their keys, experts touched, prefill tokens, KV positions) per step; a predicted
     step's (index >= measured) experts touched at their expectation under uniform routing, L E (1 - (1 - K/E)^n)."""
-    e, k, layers = spec.num_experts, spec.top_k, spec.num_moe_layers
     X = np.array(
         [[1.0, s.num_decode, s.decode_keys, s.experts_touched, s.num_prefill, s.kv_positions] for s in steps]
     ).reshape(len(steps), 6)
     tokens_N = X[measured:, 1] + X[measured:, 4]
-    X[measured:, 3] = layers * e * (1 - (1 - k / e) ** tokens_N)
+    X[measured:, 3] = spec.num_moe_layers * distinct_experts(tokens_N, spec.num_experts, spec.top_k)
     return X
 
 

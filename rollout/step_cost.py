@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import nnls
 
-from rollout.kernels.tiling import BLOCK_M_DECODE, BLOCK_M_PREFILL, max_small_prefill, prefill_in_decode_tiles
+from rollout.kernels.tiling import BLOCK_M_DECODE, BLOCK_M_PREFILL, kernel_num_decode, max_small_prefill
 from rollout.plan.perf import expected_tiles, tiles
 
 log = logging.getLogger(__name__)
@@ -194,21 +194,23 @@ class PrefillBudget:
         return np.concatenate([r.X[: r.held] for r in rings]), np.concatenate([r.y[: r.held] for r in rings])
 
     def expected(self, rows: int, keys: int, prefill_tokens: int) -> StepShape:
-        """A step's shape before it runs: its tiles at their expectation under uniform routing."""
-        n, p = rows + prefill_tokens, prefill_tokens
-        if not p:
-            return StepShape(rows, keys, self._decode_tiles.upto(rows)[-1], 0, 0.0)
-        if prefill_in_decode_tiles(p, rows, self.top_k, self.num_experts):
-            return StepShape(rows, keys, self._decode_tiles.upto(n)[-1], p, 0.0)
-        return StepShape(rows, keys, 0.0, p, self._prefill_tiles.upto(n)[-1])
+        """A step's shape before it runs: its tiles, cut as the kernel cuts them, at their expectation under
+        uniform routing."""
+        n = rows + prefill_tokens
+        d = kernel_num_decode(n, rows, self.top_k, self.num_experts)
+        dec, pre = self._decode_tiles.upto(d)[-1], self._prefill_tiles.upto(n - d)[-1]
+        return StepShape(rows, keys, dec, prefill_tokens, pre)
 
     def measured(self, rows: int, keys: int, routes_TLK: np.ndarray) -> StepShape:
         """A step's shape after it ran, its tiles counted from its routing (decoding rows first, then prefill),
         cut as the kernel cut them."""
-        e, p = self.num_experts, routes_TLK.shape[0] - rows
-        if not p or prefill_in_decode_tiles(p, rows, self.top_k, e):
-            return StepShape(rows, keys, phase_tiles(routes_TLK, e, BLOCK_M_DECODE), p, 0.0)
-        return StepShape(rows, keys, 0.0, p, phase_tiles(routes_TLK, e, BLOCK_M_PREFILL))
+        e, n = self.num_experts, routes_TLK.shape[0]
+        d = kernel_num_decode(n, rows, self.top_k, e)
+        dec, pre = (
+            phase_tiles(routes_TLK[:d], e, BLOCK_M_DECODE),
+            phase_tiles(routes_TLK[d:], e, BLOCK_M_PREFILL),
+        )
+        return StepShape(rows, keys, dec, n - rows, pre)
 
     def _extra_large(self, rows: int) -> np.ndarray:
         """The predicted extra step time of p = 0..max_tokens prefill tokens taking `rows` decoding rows into
