@@ -149,7 +149,8 @@ class MoeDecoder:
         """residual + sum_k w_tk down_e(silu(gate_e h_t) * up_e h_t), e = ids_tk; the k-sum runs over the pairs in
         token order (deterministic, unlike index_add). The first `num_decode` tokens are decode rows (the
         persistent kernel tiles a mixed step's tokens all in decode tiles or all in prefill tiles by the size of
-        its prefill segment, `kernel_num_decode`)."""
+        its prefill segment, `kernel_num_decode`, and its decode tiles' height follows their tokens,
+        `decode_block_m`)."""
         num_tokens, k = ids_TK.shape
         if self.persistent:
             return persistent_moe(

@@ -7,7 +7,7 @@ A step of `rows` decoding rows attending to `keys` cached positions, plus `p` pr
 
 with x_dec and x_pre the persistent kernel's decode and prefill tiles over the L MoE layers, sum_l sum_e
 ceil(m_le / M) (m_le: the (token, expert) pairs of expert e in layer l that the tiles hold; M: their height,
-BLOCK_M_DECODE or BLOCK_M_PREFILL). The kernel cuts a mixed step's tokens by the size of its prefill segment
+BLOCK_M_PREFILL, or for decode tiles BLOCK_M_DECODE below S tokens in them and BLOCK_M_DECODE_WIDE from S on). The kernel cuts a mixed step's tokens by the size of its prefill segment
 (rollout.kernels.tiling): at most S tokens go into decode tiles with the decoding rows (x_dec counts the tiles
 of all rows + p tokens, x_pre is 0), a larger segment takes the rows into prefill tiles with it (x_pre counts
 them all, x_dec is 0). The coefficients are fitted by non-negative least squares from the engine's own steps
@@ -22,9 +22,10 @@ s x that step's time:
     extra(p) = c_ptok p + c_dtiles (E[x_dec(rows + p)] - E[x_dec(rows)])         (all in decode tiles: p <= S)
     extra(p) <= s (c0 + c_rows rows + c_keys keys + c_dtiles E[x_dec(rows)]),
 
-i.e. predicted time <= (1 + s) x the decode-only step's. Each branch grows monotonically in p. The first is
-tabulated for p = 0..max_tokens once per fit and number of decoding rows and searched above S; only the S + 1
-values of the second are computed per step, so a step's budget costs microseconds of host time.
+i.e. predicted time <= (1 + s) x the decode-only step's. The first branch grows monotonically in p: it is
+tabulated for p = 0..max_tokens once per fit and number of decoding rows and searched above S. The second drops
+where rows + p reaches S and the decode tiles widen; its S + 1 values are computed per step and scanned, so a
+step's budget costs microseconds of host time.
 
 When not even `min_tokens` fit the bound, no chunk size keeps it, and throttling would only multiply the mixed
 steps: a few decoding rows of a fine-grained MoE touch a fraction of its experts, and the first prefill tokens
@@ -43,7 +44,14 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import nnls
 
-from rollout.kernels.tiling import BLOCK_M_DECODE, BLOCK_M_PREFILL, kernel_num_decode, max_small_prefill
+from rollout.kernels.tiling import (
+    BLOCK_M_DECODE,
+    BLOCK_M_DECODE_WIDE,
+    BLOCK_M_PREFILL,
+    decode_block_m,
+    kernel_num_decode,
+    max_small_prefill,
+)
 from rollout.plan.perf import expected_tiles, tiles
 
 log = logging.getLogger(__name__)
@@ -145,7 +153,8 @@ class PrefillBudget:
     recorded: int = 0  # steps recorded over the model's life
     # (rows scale, prefill scale) -> a ring of that stratum's last steps: features [per_stratum, F], seconds
     _strata: dict[tuple[int, int], _Ring] = field(default_factory=dict)
-    _decode_tiles: _ExpectedTiles = field(init=False)  # E[x_dec(n)] over the MoE layers
+    _decode_tiles: _ExpectedTiles = field(init=False)  # E[x_dec(n)] over the MoE layers, narrow decode tiles
+    _wide_tiles: _ExpectedTiles = field(init=False)  # the same in wide decode tiles
     _prefill_tiles: _ExpectedTiles = field(init=False)  # E[x_pre(n)] over the MoE layers
     # rows -> [max_tokens + 1]: extra(p) of p prefill tokens in prefill tiles beside `rows` rows, under `coef`
     _extra: dict[int, np.ndarray] = field(default_factory=dict)
@@ -153,6 +162,7 @@ class PrefillBudget:
     def __post_init__(self) -> None:
         layers, e, k = self.num_moe_layers, self.num_experts, self.top_k
         self._decode_tiles = _ExpectedTiles(layers, e, k, BLOCK_M_DECODE)
+        self._wide_tiles = _ExpectedTiles(layers, e, k, BLOCK_M_DECODE_WIDE)
         self._prefill_tiles = _ExpectedTiles(layers, e, k, BLOCK_M_PREFILL)
 
     @property
@@ -198,7 +208,7 @@ class PrefillBudget:
         uniform routing."""
         n = rows + prefill_tokens
         d = kernel_num_decode(n, rows, self.top_k, self.num_experts)
-        dec, pre = self._decode_tiles.upto(d)[-1], self._prefill_tiles.upto(n - d)[-1]
+        dec, pre = self._expected_decode(d)[-1], self._prefill_tiles.upto(n - d)[-1]
         return StepShape(rows, keys, dec, prefill_tokens, pre)
 
     def measured(self, rows: int, keys: int, routes_TLK: np.ndarray) -> StepShape:
@@ -207,7 +217,7 @@ class PrefillBudget:
         e, n = self.num_experts, routes_TLK.shape[0]
         d = kernel_num_decode(n, rows, self.top_k, e)
         dec, pre = (
-            phase_tiles(routes_TLK[:d], e, BLOCK_M_DECODE),
+            phase_tiles(routes_TLK[:d], e, decode_block_m(d, self.top_k, e)),
             phase_tiles(routes_TLK[d:], e, BLOCK_M_PREFILL),
         )
         return StepShape(rows, keys, dec, n - rows, pre)
@@ -217,7 +227,7 @@ class PrefillBudget:
         prefill tiles (the kernel's cut above S), tabulated once per fit and number of rows."""
         if rows not in self._extra:
             tiles_N = self._prefill_tiles.upto(rows + self.max_tokens)[rows:]
-            decode_tiles = self._decode_tiles.upto(rows)[-1]
+            decode_tiles = self._expected_decode(rows)[-1]
             p_P = np.arange(self.max_tokens + 1)
             self._extra[rows] = self.coef[4] * p_P + self.coef[5] * tiles_N - self.coef[3] * decode_tiles
         return self._extra[rows]
@@ -225,8 +235,15 @@ class PrefillBudget:
     def _extra_small(self, rows: int) -> np.ndarray:
         """The predicted extra step time of p = 0..S prefill tokens in decode tiles beside `rows` rows."""
         s = self.small_prefill
-        tiles_N = self._decode_tiles.upto(rows + s)
+        tiles_N = self._expected_decode(rows + s)
         return self.coef[4] * np.arange(s + 1) + self.coef[3] * (tiles_N[rows:] - tiles_N[rows])
+
+    def _expected_decode(self, n: int) -> np.ndarray:
+        """[n + 1]: E[x_dec(0..n)], each count of tokens in the decode tiles' height the kernel gives it."""
+        wide_from = max_small_prefill(self.top_k, self.num_experts)
+        if n < wide_from:
+            return self._decode_tiles.upto(n)
+        return np.concatenate([self._decode_tiles.upto(wide_from - 1), self._wide_tiles.upto(n)[wide_from:]])
 
     def predict(self, shape: StepShape) -> float:
         if self.coef is None:
@@ -242,7 +259,7 @@ class PrefillBudget:
         # the largest p whose extra time fits: above S from the table, else among the small chunks (p = 0 fits)
         fits = int(np.searchsorted(self._extra_large(rows), bound, side="right")) - 1
         if fits <= self.small_prefill:
-            fits = int(np.searchsorted(self._extra_small(rows), bound, side="right")) - 1
+            fits = int(np.flatnonzero(self._extra_small(rows) <= bound)[-1])
         floor = min(self.min_tokens, self.max_tokens)
         if fits >= floor:
             return fits

@@ -73,7 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.kernels import interpreted
-from rollout.kernels.tiling import BLOCK_M_DECODE, BLOCK_M_PREFILL
+from rollout.kernels.tiling import BLOCK_M_DECODE, BLOCK_M_DECODE_WIDE, BLOCK_M_PREFILL, decode_block_m
 
 try:
     import triton
@@ -91,6 +91,7 @@ __all__ = [
     "MoeRun",
     "TileTable",
     "build_tiles",
+    "launch_options",
     "max_tiles",
     "moe_reference",
     "persistent_moe",
@@ -122,6 +123,9 @@ TMA = False
 # A spills 192 bytes a thread. `--arrival-slices` of bench/rollout_expertplex.py sweeps it.
 PREEMPT_SLICES = 2
 LAUNCH = {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
+# A pass all in wide decode tiles (rollout.kernels.tiling.decode_block_m): the H100 sweep's fastest launch of 32-row
+# tiles at 256 rows, 463 us against 485 at LAUNCH's 8 warps (3 stages each; bench/RESULTS.md, #29).
+WIDE_DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}
 INTERPRETER_PROGRAMS = 4  # the default grid under TRITON_INTERPRET=1 (CPU tensors)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -195,6 +199,13 @@ def _check_num_decode(num_decode: int, num_tokens: int) -> None:
         raise ValueError(
             f"num_decode must be an int in [0, {num_tokens}] (the step's tokens), got {num_decode!r}"
         )
+
+
+def launch_options(num_tokens: int, num_decode: int, block_m_decode: int) -> dict:
+    """Triton's launch options of a pass: WIDE_DECODE_LAUNCH where all its tiles are decode tiles of at least
+    BLOCK_M_DECODE_WIDE rows, else LAUNCH (which prefill tiles need: at 4 warps a prefill pass ran 2x slower)."""
+    wide = num_decode == num_tokens and block_m_decode >= BLOCK_M_DECODE_WIDE
+    return WIDE_DECODE_LAUNCH if wide else LAUNCH
 
 
 def build_tiles(
@@ -1179,12 +1190,12 @@ def persistent_moe_run(
     num_programs: int | None = None,
     heeding: int | None = None,
     preempt_slices: int = PREEMPT_SLICES,
-    block_m_decode: int = BLOCK_M_DECODE,
+    block_m_decode: int | None = None,
     block_m_prefill: int = BLOCK_M_PREFILL,
     block_n: int = BLOCK_N,
     block_k: int = BLOCK_K,
-    num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     tma: bool = TMA,
 ) -> MoeRun:
     """The experts of a step (first `num_decode` tokens decode) as the two persistent launches; CUDA tensors, or
@@ -1206,7 +1217,9 @@ def persistent_moe_run(
     preempt_slices: with a flag, a phase-A prefill item's reduction runs in this many slices and a heeding
     program reads the flag between them, giving the item up (undone) once it is up: the arriving pass waits for
     a slice of the running items rather than whole items.
-    num_warps, num_stages: Triton's launch options of both kernels (the software pipeline's depth).
+    block_m_decode: the decode tiles' height, by default `decode_block_m` of the pass's decode tokens.
+    num_warps, num_stages: Triton's launch options of both kernels (the software pipeline's depth), by default
+    `launch_options` of the pass.
     tma: load the weight tiles through TMA descriptors (sm_90+, contiguous weights with 16-byte aligned rows); a
     resume keeps the run's choice."""
     if triton is None:
@@ -1217,13 +1230,19 @@ def persistent_moe_run(
     if not isinstance(preempt_slices, int) or preempt_slices < 1:
         raise ValueError(f"preempt_slices={preempt_slices!r}: a count of slices >= 1")
     _check_num_decode(num_decode, h_TH.shape[0])
-    e, f = gate_up_EFH.shape[0], gate_up_EFH.shape[1] // 2
+    (t, k), e, f = ids_TK.shape, gate_up_EFH.shape[0], gate_up_EFH.shape[1] // 2
     if resume is not None:
         _check_resume(resume, h_TH, ids_TK, f, num_decode)
+        block_m_decode = resume.tiles.block_m_decode
     else:
+        if block_m_decode is None:
+            block_m_decode = decode_block_m(num_decode, k, e)
         blocks = (block_m_decode, block_m_prefill, block_n, block_k)
         for name, value in zip(("block_m_decode", "block_m_prefill", "block_n", "block_k"), blocks):
             _check_block(name, value)
+    defaults = launch_options(t, num_decode, block_m_decode)
+    num_warps = defaults["num_warps"] if num_warps is None else num_warps
+    num_stages = defaults["num_stages"] if num_stages is None else num_stages
     if num_warps not in (1, 2, 4, 8, 16) or num_stages < 1:
         raise ValueError(
             f"num_warps must be a power of two <= 16 and num_stages >= 1, got {num_warps}, {num_stages}"
@@ -1281,12 +1300,12 @@ def persistent_moe(
     num_decode: int,
     preempt_flag: torch.Tensor | None = None,
     num_programs: int | None = None,
-    block_m_decode: int = BLOCK_M_DECODE,
+    block_m_decode: int | None = None,
     block_m_prefill: int = BLOCK_M_PREFILL,
     block_n: int = BLOCK_N,
     block_k: int = BLOCK_K,
-    num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     tma: bool = TMA,
 ) -> torch.Tensor:
     """out_TH = residual + sum_k w_tk y_(t,k) (residual's dtype): `persistent_moe_run(...).out_TH`. With a flag

@@ -13,7 +13,8 @@ B_d decode rows per step of T_d, O output tokens. Kernel times (equation 2): t(x
 + delta x s^2, fitted by non-negative least squares (relative error) to points: attention with x sequences and s
 their length (decode: the `attention` rows of a profile, else the roofline; prefill: the `prefill_attention`
 rows of a rollout-profile/3, else the roofline), MoE with x = x_moe = sum_e ceil(m_e / M_t) tiles (equation 3;
-M_t = 16 for decode and 128 for prefill, rollout/kernels/persistent_moe.py's BLOCK_M_DECODE / BLOCK_M_PREFILL),
+M_t = 16 for decode and 128 for prefill, rollout/kernels/tiling.py's BLOCK_M_DECODE / BLOCK_M_PREFILL; the kernel's
+32-row decode tiles from S = 16 E / K tokens on are not modelled),
 from the profile's `experts` rows of that phase (all rows when it has none of it) or the roofline converted to
 expected tiles, and s unused. The points are the passes' in-step times (rollout/plan/profile.py's in_step: a
 rollout-profile/4 scales each pass timed alone by what a layer measured to add inside a step). A pass of b rows

@@ -37,9 +37,11 @@ SMS = 132  # an H100 SXM's (the H200 has as many): the persistent launches' grid
 # Qwen3-30B-A3B's widths (hidden 2048, expert FFN 768, top-8) over 8 experts: the launches specialise on the
 # strides, which these widths set as the model does; 128 experts would only make the CPU tensors larger.
 MOE = dict(T=96, H=2048, F=768, E=8, K=8, num_decode=32, routing="topk")
-# name: (dtype, flagged, preemption slices, tma)
+# name: (dtype, flagged, preemption slices, tma, decode only: all T tokens in decode tiles, which S = 16 E / K = 16
+# tokens make wide, with their own launch options)
 MOE_CASES = {
     "moe_bf16": ("bfloat16", False, 1, False),
+    "moe_bf16_wide_decode": ("bfloat16", False, 1, False, True),
     "moe_bf16_flag_s1": ("bfloat16", True, 1, False),
     "moe_bf16_flag_s2": ("bfloat16", True, 2, False),
     "moe_bf16_flag_s4": ("bfloat16", True, 4, False),
@@ -141,22 +143,24 @@ def resource_usage(cubin: bytes) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- the cases
-def compile_moe(dtype: str, flagged: bool, slices: int, tma: bool) -> None:
-    """The launches of `persistent_moe_run` (tile table, phase A, phase B, combine) on CPU tensors."""
+def compile_moe(dtype: str, flagged: bool, slices: int, tma: bool, decode_only: bool = False) -> None:
+    """The launches of `persistent_moe_run` (tile table, phase A, phase B, combine) on CPU tensors, with the tile
+    heights and launch options it picks for the pass."""
     from test_persistent_moe import make_inputs
 
     from rollout.kernels import persistent_moe as pm
 
     x = make_inputs({**MOE, "dtype": dtype})
     flag = torch.zeros(1, dtype=torch.int32) if flagged else None
-    blocks = (pm.BLOCK_M_DECODE, pm.BLOCK_M_PREFILL, pm.BLOCK_N, pm.BLOCK_K)
-    e, f = x["gate_up_EFH"].shape[0], x["gate_up_EFH"].shape[1] // 2
-    pm.build_tiles(x["ids_TK"], MOE["num_decode"], e, kernel=True)
-    run = pm._new_run(x["h_TH"], x["ids_TK"], e, f, MOE["num_decode"], flagged, blocks, tma)
-    launch = {"num_warps": pm.NUM_WARPS, "num_stages": pm.NUM_STAGES}
+    (t, k), e, f = x["ids_TK"].shape, x["gate_up_EFH"].shape[0], x["gate_up_EFH"].shape[1] // 2
+    nd = t if decode_only else MOE["num_decode"]
+    block_m_decode = pm.decode_block_m(nd, k, e)
+    blocks = (block_m_decode, pm.BLOCK_M_PREFILL, pm.BLOCK_N, pm.BLOCK_K)
+    pm.build_tiles(x["ids_TK"], nd, e, block_m_decode, kernel=True)
+    run = pm._new_run(x["h_TH"], x["ids_TK"], e, f, nd, flagged, blocks, tma)
     pm._launch_run(
-        run, x["h_TH"], x["weights_TK"], x["residual_TH"], MOE["num_decode"], x["gate_up_EFH"], x["down_EHF"],
-        flag, pm.PROGRAMS_PER_SM * SMS, launch, None, slices,
+        run, x["h_TH"], x["weights_TK"], x["residual_TH"], nd, x["gate_up_EFH"], x["down_EHF"],
+        flag, pm.PROGRAMS_PER_SM * SMS, pm.launch_options(t, nd, block_m_decode), None, slices,
     )  # fmt: skip
 
 
@@ -236,14 +240,15 @@ def case_kernels(compiled: dict, name: str) -> tuple[list[dict], list[dict]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MOE_CASES)
 def test_persistent_moe_launches_compile_for_sm90(compiled, name):
-    from rollout.kernels.persistent_moe import NUM_STAGES
+    from rollout.kernels.persistent_moe import LAUNCH, WIDE_DECODE_LAUNCH
 
     every, kernels = case_kernels(compiled, name)
     assert [k["kernel"] for k in kernels] == MOE_KERNELS
     assert all(k["shared"] <= SHARED_MEM_PER_BLOCK and k["registers"] > 0 for k in kernels)
     if MOE_CASES[name][0] == "bfloat16":  # the defaults are sized for bf16 tiles: no launch falls back
         assert every == kernels
-        assert [k["stages"] for k in kernels[1:3]] == [NUM_STAGES, NUM_STAGES]
+        stages = (WIDE_DECODE_LAUNCH if MOE_CASES[name][4:] == (True,) else LAUNCH)["num_stages"]
+        assert [k["stages"] for k in kernels[1:3]] == [stages, stages]
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
-"""Which tile height the persistent MoE kernel gives a step's prefill tokens (rollout.kernels.tiling), and that
-the engine's expert path passes the kernel that choice."""
+"""Which tile height the persistent MoE kernel gives a step's prefill tokens and its decode tiles
+(rollout.kernels.tiling), and that the engine's expert path passes the kernel that choice."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import torch
 import rollout.model
 from rollout.kernels.tiling import (
     BLOCK_M_DECODE,
+    BLOCK_M_DECODE_WIDE,
     BLOCK_M_PREFILL,
     SMALL_PREFILL_PAIRS,
+    decode_block_m,
     kernel_num_decode,
     max_small_prefill,
     prefill_in_decode_tiles,
@@ -36,6 +38,17 @@ def test_small_prefill_fills_one_decode_tile_per_expert(top_k, num_experts):
     assert not prefill_in_decode_tiles(s + 1, 1, top_k, num_experts)
     assert not prefill_in_decode_tiles(1, 0, top_k, num_experts)  # a prefill pass alone keeps prefill tiles
     assert max_small_prefill(8, 128) == 256  # Qwen3-30B-A3B
+
+
+@pytest.mark.parametrize(("top_k", "num_experts"), [(8, 128), (2, 8), (6, 64)])
+def test_decode_tiles_widen_from_s_tokens(top_k, num_experts):
+    """From S tokens in decode tiles (16 pairs per expert on average, half the experts over one 16-row tile) the
+    tiles hold 32 pairs; below S, 16."""
+    s = max_small_prefill(top_k, num_experts)
+    assert [decode_block_m(d, top_k, num_experts) for d in (0, 1, s - 1)] == [BLOCK_M_DECODE] * 3
+    assert [decode_block_m(d, top_k, num_experts) for d in (s, s + 1, 8 * s)] == [BLOCK_M_DECODE_WIDE] * 3
+    assert BLOCK_M_DECODE < BLOCK_M_DECODE_WIDE < BLOCK_M_PREFILL
+    assert decode_block_m(256, 8, 128) == 32 and decode_block_m(255, 8, 128) == 16  # Qwen3-30B-A3B
 
 
 def test_kernel_num_decode():

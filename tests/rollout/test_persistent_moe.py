@@ -27,6 +27,8 @@ import torch
 from rollout_testlib import interpreter_results
 
 from rollout.kernels.persistent_moe import (  # private helpers: the per-phase launches and the combine
+    LAUNCH,
+    WIDE_DECODE_LAUNCH,
     MoeRun,
     OutOfResources,
     _combine,
@@ -36,6 +38,7 @@ from rollout.kernels.persistent_moe import (  # private helpers: the per-phase l
     _launch_gate_up,
     _undone_tiles,
     build_tiles,
+    launch_options,
     max_tiles,
     moe_reference,
     persistent_moe,
@@ -50,6 +53,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 # ------------------------------------------------------------------------------------------------ inputs
 BASE = dict(T=16, H=40, F=24, E=6, K=2, num_decode=6, routing="topk", dtype="float32", blocks={})
 SMALL_BLOCKS = dict(block_n=16, block_k=16)  # several masked column blocks and reduction steps at H, F <= 64
+ROW_INPUTS = ("h_TH", "weights_TK", "ids_TK", "residual_TH")  # a step's inputs with one row per token
 
 
 def make_inputs(spec: dict, device: str = "cpu", seed: int = 0) -> dict:
@@ -334,6 +338,8 @@ KERNEL_CASES = {
     "odd-h50-f60-one-block": dict(T=20, num_decode=7, H=50, F=60),
     "strided-inputs-int32-ids": dict(T=20, num_decode=7, strided_h=True, int32_ids=True, blocks=SMALL_BLOCKS),
     "bf16-mixed": dict(T=24, num_decode=9, E=8, K=3, dtype="bfloat16", blocks=SMALL_BLOCKS),
+    # S = 16 E / K = 32 tokens: the default height of 48 decode tokens is 32 rows, the hot expert's pairs in two
+    "hot-expert-wide-decode": dict(T=48, num_decode=48, E=4, routing="hot"),
 }
 GRIDS = (None, 1, 5)  # the default grid, one program walking every tile, an odd count
 
@@ -648,7 +654,27 @@ def run_all(device: str) -> dict[str, dict]:
         results[f"flag-cleared/{name}"] = flag_cleared_between_phases(PREEMPT_CASES[name], device)
     if device == "cpu":  # the flag is raised by a hook in the interpreter
         results["preempt-mid-item"] = preempt_mid_item(PREEMPT_CASES["mixed"], device)
+    results["heights"] = default_heights(KERNEL_CASES["hot-expert-wide-decode"], device)
     return results
+
+
+def default_heights(spec: dict, device: str) -> dict:
+    """The decode tiles' default height of a decode pass of S or more tokens (wide) and of fewer (the pass's first
+    S - 1 tokens), and of a phase cut with fewer than S decode tokens; the wide pass's rows against the same pass
+    in 16-row tiles."""
+    _, nd, _ = spec_of(spec)
+    inputs = make_inputs(spec, device)
+    narrow = {name: x[: nd // 2] if name in ROW_INPUTS else x for name, x in inputs.items()}
+    wide = persistent_moe_run(**inputs, num_decode=nd)
+    return {
+        "wide": wide.tiles.block_m_decode,
+        "wide_tiles": int(wide.tiles.ends_2[0]),
+        "narrow": persistent_moe_run(**narrow, num_decode=nd // 2).tiles.block_m_decode,
+        "phase_cut": persistent_moe_run(**inputs, num_decode=nd // 2).tiles.block_m_decode,
+        "vs_16_rows": rel_err(
+            wide.out_TH.float(), persistent_moe(**inputs, num_decode=nd, block_m_decode=16).float()
+        ),
+    }
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -735,6 +761,24 @@ def test_interpreted_tile_table_kernel_equals_the_torch_ops(interpreted):
     check_table(interpreted)
 
 
+def check_heights(result: dict, exact: bool) -> None:
+    assert result["wide"] == 32 and result["narrow"] == result["phase_cut"] == 16, result
+    # the hot expert's 48 pairs in two tiles, the other three experts' 48 pairs in one each
+    assert result["wide_tiles"] == 5, result
+    assert result["vs_16_rows"] <= (1e-6 if exact else 0.0), result
+
+
+def test_interpreted_decode_tiles_widen_from_s_tokens(interpreted):
+    check_heights(interpreted["heights"], exact=True)
+
+
+def test_a_pass_all_in_wide_decode_tiles_takes_their_launch_options():
+    assert launch_options(256, 256, 32) == WIDE_DECODE_LAUNCH != LAUNCH
+    assert (
+        launch_options(256, 256, 16) == launch_options(256, 200, 32) == launch_options(256, 0, 16) == LAUNCH
+    )
+
+
 def check_tma(results: dict, exact: bool) -> None:
     """The TMA cases through TMA descriptors: the reference's tolerance, grid invariance, and the per-thread
     path's values (bitwise under the interpreter, whose dot is one numpy product either way); preemption and
@@ -780,6 +824,7 @@ def test_compiled_cases_on_cuda():
         check_flag_cleared(results[f"flag-cleared/{name}"], exact=False)
     check_table(results)
     check_combine(results["combine"])
+    check_heights(results["heights"], exact=False)
     if tma_runs_on("cuda"):
         check_tma(results, exact=False)
 
@@ -830,22 +875,23 @@ def test_captured_launch_reads_routing_and_flag_from_the_device():
 def test_rows_are_batch_invariant():
     """A row's output is bitwise the same whatever shares the launch: decode rows alone, with more decode rows,
     and with a prefill phase behind them; prefill rows alone and behind a decode phase (each phase's tile shape
-    is fixed, and a tile's rows do not mix in the MMA or the fp32 k-sum); and whichever tile height holds them
-    (the engine cuts small prefill segments into decode tiles, rollout.kernels.tiling)."""
+    is fixed, and a tile's rows do not mix in the MMA or the fp32 k-sum); and whichever tile height and launch
+    options hold them (the engine cuts small prefill segments into decode tiles, and from S = 128 tokens here
+    decode tiles are 32 rows at 4 warps: rollout.kernels.tiling)."""
     spec = dict(REALISTIC, T=320, num_decode=96)
     inputs = make_inputs(spec, "cuda")
-    rows = ("h_TH", "weights_TK", "ids_TK", "residual_TH")
 
-    def launch(sl: slice, num_decode: int) -> torch.Tensor:
-        part = {name: x[sl] if name in rows else x for name, x in inputs.items()}
-        return persistent_moe(**part, num_decode=num_decode)
+    def launch(sl: slice, num_decode: int, **blocks) -> torch.Tensor:
+        part = {name: x[sl] if name in ROW_INPUTS else x for name, x in inputs.items()}
+        return persistent_moe(**part, num_decode=num_decode, **blocks)
 
     full_TH = launch(slice(None), 96)
     assert torch.equal(launch(slice(0, 16), 16), full_TH[:16])
     assert torch.equal(launch(slice(0, 96), 96), full_TH[:96])
     assert torch.equal(launch(slice(96, None), 0), full_TH[96:])
     assert torch.equal(launch(slice(40, None), 56), full_TH[40:])
-    assert torch.equal(launch(slice(None), 320), full_TH)  # every row in decode tiles
+    assert torch.equal(launch(slice(None), 320), full_TH)  # every row in (wide) decode tiles
+    assert torch.equal(launch(slice(None), 320, block_m_decode=16), full_TH)  # ... in 16-row tiles
     assert torch.equal(launch(slice(96, None), 224), full_TH[96:])
     assert torch.equal(launch(slice(0, 96), 0), full_TH[:96])  # decode rows in prefill tiles
 

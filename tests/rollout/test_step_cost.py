@@ -12,6 +12,7 @@ from rollout_testlib import save_tiny_model
 
 from rollout import RolloutEngine, SamplingParams
 from rollout.config import RolloutConfig
+from rollout.plan.perf import expected_tiles
 from rollout.runner import StepInputs, StepOutputs
 from rollout.step_cost import FEATURES, PrefillBudget, StepShape, phase_tiles
 
@@ -175,8 +176,13 @@ def test_chunks_are_priced_in_the_tiles_the_kernel_cuts():
     assert model.measured(0, 0, routes) == prefill_alone
     routes = np.random.default_rng(0).integers(0, 64, size=(10 + 500, 4, 8))
     assert model.measured(10, 500, routes) == StepShape(10, 500, 0.0, 500, phase_tiles(routes, 64, 128))
-    # the budget is the largest chunk within the bound, on either side of S
-    for rows, slowdown in ((8, 0.3), (8, 2.0), (64, 0.05)):
+    # from S tokens on, decode tiles hold 32 pairs: fewer tiles than S - 1 tokens' 16-row tiles
+    wide = model.expected(100, 1000, 28)
+    assert wide.dec_tiles == 4 * expected_tiles(128, 64, 8, 32) < model.expected(100, 1000, 27).dec_tiles
+    routes = np.random.default_rng(1).integers(0, 64, size=(128, 4, 8))
+    assert model.measured(100, 500, routes) == StepShape(100, 500, phase_tiles(routes, 64, 32), 28, 0.0)
+    # the budget is the largest chunk within the bound, on either side of S, and where rows + p reach S
+    for rows, slowdown in ((8, 0.3), (8, 2.0), (64, 0.05), (60, 0.05), (88, 0.02)):
         model = _budget(coef=COEF, slowdown=slowdown)
         p, bound = model.budget(rows, 40_000), (1 + slowdown) * model.predict(model.expected(rows, 40_000, 0))
         fitting = [q for q in range(2049) if model.predict(model.expected(rows, 40_000, q)) <= bound]
