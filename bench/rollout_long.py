@@ -113,6 +113,7 @@ from rollout.plan.schedule import (
 from rollout.step_cost import FEATURES, PrefillBudget
 
 WARMUP_PROMPT = 16  # tokens per warm-up prompt (see warm_up)
+FIRST_LAUNCH = 2.0  # a step over this many times its group's median paid a first launch (first_launch_s)
 TINY_LONG = dict(TINY, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
 # --tiny: a KV budget in which the slot cache holds fewer sequences than the paged one (480 tokens: 5 slots of
 # 96 positions vs 30 blocks of 16 positions for 12 requests of up to 88 positions).
@@ -412,6 +413,23 @@ def step_time_bins(steps: list[StepTrace], width: int) -> list[dict]:
     return out
 
 
+def first_launch_s(steps: list[StepTrace], width: int, outlier: float = FIRST_LAUNCH) -> float:
+    """Seconds the steps spent over their group's median where they took more than `outlier` x it. A group is
+    the steps of one bin of decoding rows ((k w, (k + 1) w]; prefill-only steps apart) and one binary magnitude of
+    prefill tokens. Such steps are first launches: a shape's first eager step compiles Triton kernels, a bucket's
+    first graph step captures it. What they cost depends on what ran on the machine before (Triton's disk cache),
+    not on the engine's path, so runs compared on one machine differ by their order."""
+    groups: dict[tuple[int, int], list[float]] = {}
+    for s in steps:
+        key = ((s.num_decode - 1) // width if s.num_decode else -1, s.num_prefill.bit_length())
+        groups.setdefault(key, []).append(s.seconds)
+    excess = 0.0
+    for seconds in groups.values():
+        median = statistics.median(seconds)
+        excess += sum(t - median for t in seconds if t > outlier * median)
+    return excess
+
+
 def summarize(
     rounds: list[GenerateStats], wall: float, parts: dict, args, measured: int | None = None
 ) -> dict:
@@ -427,6 +445,7 @@ def summarize(
     step_s = sum(st.prefill_s + st.decode_s for st in rounds)
     bins = step_time_bins(steps, args.bin_rows)
     paired = [b for b in bins if b["mixed_over_decode"] is not None]
+    first = first_launch_s(steps, args.bin_rows)
     return {
         "generate_calls": len(rounds),
         "requests": rounds[0].num_requests,
@@ -434,6 +453,9 @@ def summarize(
         "generated_tokens": generated,
         "wall_s": wall,
         "tok_s": generated / wall,
+        # the same run with its first launches at their group's median (`first_launch_s`): order-independent
+        "first_launch_s": first,
+        "warm_tok_s": generated / (wall - first),
         "steps": num_steps,
         "decode_steps": decode_steps,
         "mixed_steps": sum(st.num_mixed_steps for st in rounds),
@@ -619,7 +641,8 @@ def fmt(x, spec: str = ".2f", scale: float = 1.0) -> str:
 def print_tables(results: dict) -> None:
     sections = results["sections"]
     print(
-        "\n| engine/mode | tokens | wall s | tok/s | rows/step | peak seqs | KV pos mean | KV pos peak | "
+        "\n| engine/mode | tokens | wall s | tok/s (first launches at the median) | rows/step | peak seqs | "
+        "KV pos mean | KV pos peak | "
         "prefill tok share | prefill-step s share | mixed-step s share | preempt | mixed steps | "
         "graphs (new) | roofline decode | roofline long (steps) | same tokens as plain |"
     )
@@ -630,7 +653,7 @@ def print_tables(results: dict) -> None:
             continue
         rf = r["roofline"]
         print(
-            f"| {name} | {r['generated_tokens']} | {r['wall_s']:.1f} | {r['tok_s']:.0f} | "
+            f"| {name} | {r['generated_tokens']} | {r['wall_s']:.1f} | {r['tok_s']:.0f} ({r['warm_tok_s']:.0f}) | "
             f"{r['decode_rows_mean']:.1f} | {r['peak_running']} | {r['kv_positions_mean']:.0f} | "
             f"{r['kv_positions_peak']} | {100 * r['prefill_token_share']:.1f}% | "
             f"{100 * r['prefill_step_s_share']:.1f}% | {100 * r['mixed_step_s_share']:.1f}% | "

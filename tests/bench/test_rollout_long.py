@@ -107,6 +107,23 @@ def test_extrapolate_predicts_the_cut_steps_from_the_measured_ones():
         bench.extrapolate(calls, 5, spec)
 
 
+def test_first_launches_are_priced_at_their_groups_median():
+    """A step over 2x the median of its group (bin of decoding rows, binary magnitude of prefill tokens) paid a
+    first launch: its excess over that median is counted; steps of a slower group (a larger prefill chunk, more
+    rows) are not measured against a faster one's median."""
+
+    def step(rows: int, prefill: int, seconds: float, graph: bool = False) -> bench.StepTrace:
+        return bench.StepTrace(rows, prefill, 0, 0, 0, seconds, graph)
+
+    steps = [step(8, 0, 0.01)] * 9 + [step(8, 0, 0.5, graph=True)]  # a bucket's capture
+    steps += [step(40, 0, 0.03)] * 5 + [step(40, 0, 0.05)]  # 33-64 rows; 1.7x its median: not a first launch
+    steps += [step(8, 2000, 0.06)] * 4 + [step(8, 2040, 0.9)]  # a new chunk shape's compile
+    steps += [step(8, 20, 0.02)] * 3  # small chunks: 0.02 s, not slow beside the large chunks' 0.06
+    steps += [step(0, 1000, 0.1), step(0, 1000, 0.1), step(0, 1000, 0.35)]  # prefill-only
+    assert bench.first_launch_s(steps, 32) == pytest.approx(0.49 + 0.84 + 0.25)
+    assert bench.first_launch_s(steps[:9], 32) == 0.0
+
+
 @pytest.mark.parametrize("mode", ["plain", "windows"])
 def test_a_time_limited_section_runs_the_whole_schedule(mode):
     """Cut after 15 steps (a clock that ticks once a step), a section's schedule is the uncut run's step for
