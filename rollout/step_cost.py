@@ -7,13 +7,13 @@ A step of `rows` decoding rows attending to `keys` cached positions, plus `p` pr
 
 with x_dec and x_pre the persistent kernel's decode and prefill tiles over the L MoE layers, sum_l sum_e
 ceil(m_le / M) (m_le: the (token, expert) pairs of expert e in layer l that the tiles hold; M: their height,
-BLOCK_M_PREFILL, or for decode tiles BLOCK_M_DECODE below S tokens in them and BLOCK_M_DECODE_WIDE from S on). The kernel cuts a mixed step's tokens by the size of its prefill segment
-(rollout.kernels.tiling): at most S tokens go into decode tiles with the decoding rows (x_dec counts the tiles
-of all rows + p tokens, x_pre is 0), a larger segment takes the rows into prefill tiles with it (x_pre counts
-them all, x_dec is 0). The coefficients are fitted by non-negative least squares from the engine's own steps
-(their wall time and their actual tiles, counted from the routing they recorded). Before a step the tiles are not
-known yet: they are taken at their expectation under uniform routing, E[x] = L E E[ceil(m / M)] with
-m ~ Binomial(tokens, K / E).
+BLOCK_M_PREFILL, or for decode tiles BLOCK_M_DECODE below S tokens in them and BLOCK_M_DECODE_WIDE from S on).
+The kernel cuts a mixed step's tokens by the size of its prefill segment (rollout.kernels.tiling): at most S
+tokens go into decode tiles with the decoding rows (x_dec counts the tiles of all rows + p tokens, x_pre is 0),
+a larger segment takes the rows into prefill tiles with it (x_pre counts them all, x_dec is 0). The
+coefficients are fitted by non-negative least squares from the engine's own steps (their wall time and their
+actual tiles, counted from the routing they recorded). Before a step the tiles are not known yet: they are taken
+at their expectation under uniform routing, E[x] = L E E[ceil(m / M)] with m ~ Binomial(tokens, K / E).
 
 The prefill budget of a step is the largest p whose extra time, over the decode-only step's, stays within
 s x that step's time:
