@@ -634,28 +634,46 @@ def table_case(spec: dict, block_m: tuple[int, int], device: str) -> dict:
 TMA_CASES = ("decode-only", "prefill-only", "mixed", "hot-expert-prefill", "one-token-decode", "bf16-mixed")
 
 
-def run_all(device: str) -> dict[str, dict]:
+def kernel_results(device: str) -> dict[str, dict]:
     results = {f"kernel/{name}": kernel_case(spec, device) for name, spec in KERNEL_CASES.items()}
+    results["heights"] = default_heights(KERNEL_CASES["hot-expert-wide-decode"], device)
+    return results
+
+
+def table_results(device: str) -> dict[str, dict]:
+    results = {f"table/{name}": table_case(spec, m, device) for name, (spec, m) in KERNEL_TABLE_CASES.items()}
     results["combine"] = combine_case(device)
-    for name, (spec, block_m) in KERNEL_TABLE_CASES.items():
-        results[f"table/{name}"] = table_case(spec, block_m, device)
-    if tma_runs_on(device):
-        for name in TMA_CASES:
-            results[f"kernel-tma/{name}"] = kernel_case(KERNEL_CASES[name], device, tma=True)
-        mixed = PREEMPT_CASES["mixed"]
-        tma_spec = dict(mixed, blocks=dict(mixed["blocks"], tma=True))  # a resume keeps the launch's tma
-        results["preempt-before/mixed-tma"] = preempt_before_launch(tma_spec, device)
-        results["preempt-mid/mixed-tma"] = preempt_mid_launch(tma_spec, device)
-    for name, spec in PREEMPT_CASES.items():
-        results[f"preempt-before/{name}"] = preempt_before_launch(spec, device)
+    return results
+
+
+def tma_results(device: str) -> dict[str, dict]:
+    """The TMA cases, where TMA runs (none elsewhere)."""
+    if not tma_runs_on(device):
+        return {}
+    results = {f"kernel-tma/{name}": kernel_case(KERNEL_CASES[name], device, tma=True) for name in TMA_CASES}
+    mixed = PREEMPT_CASES["mixed"]
+    tma_spec = dict(mixed, blocks=dict(mixed["blocks"], tma=True))  # a resume keeps the launch's tma
+    results["preempt-before/mixed-tma"] = preempt_before_launch(tma_spec, device)
+    results["preempt-mid/mixed-tma"] = preempt_mid_launch(tma_spec, device)
+    return results
+
+
+def preempt_results(device: str) -> dict[str, dict]:
+    results = {
+        f"preempt-before/{name}": preempt_before_launch(spec, device) for name, spec in PREEMPT_CASES.items()
+    }
     for name in ("mixed", "mixed-default-blocks"):
         results[f"preempt-heeding/{name}"] = preempt_heeding_programs(PREEMPT_CASES[name], device)
         results[f"preempt-mid/{name}"] = preempt_mid_launch(PREEMPT_CASES[name], device)
         results[f"flag-cleared/{name}"] = flag_cleared_between_phases(PREEMPT_CASES[name], device)
     if device == "cpu":  # the flag is raised by a hook in the interpreter
         results["preempt-mid-item"] = preempt_mid_item(PREEMPT_CASES["mixed"], device)
-    results["heights"] = default_heights(KERNEL_CASES["hot-expert-wide-decode"], device)
     return results
+
+
+# The cases in groups: the GPU test runs one group per test, so that processes can compile them side by side (a
+# fresh machine's Triton compiles took 258 s for all of them in one process).
+GROUPS = {"kernels": kernel_results, "tables": table_results, "tma": tma_results, "preempt": preempt_results}
 
 
 def default_heights(spec: dict, device: str) -> dict:
@@ -717,8 +735,13 @@ def check_flag_cleared(result: dict, exact: bool) -> None:
 
 # ------------------------------------------------------------------------------- Triton, interpreted on CPU
 @pytest.fixture(scope="module")
-def interpreted() -> dict[str, dict]:
+def interpreted_groups() -> dict[str, dict[str, dict]]:
     return interpreter_results(__file__)
+
+
+@pytest.fixture(scope="module")
+def interpreted(interpreted_groups) -> dict[str, dict]:
+    return {key: result for results in interpreted_groups.values() for key, result in results.items()}
 
 
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
@@ -810,23 +833,55 @@ needs_cuda = pytest.mark.skipif(
 )
 
 
-@pytest.mark.gpu
-@needs_cuda
-def test_compiled_cases_on_cuda():
-    results = run_all("cuda")
+def check_kernels(results: dict, exact: bool) -> None:
     for name, spec in KERNEL_CASES.items():
         check_kernel(results[f"kernel/{name}"], spec)
+    check_heights(results["heights"], exact=exact)
+
+
+def check_tables(results: dict, exact: bool) -> None:
+    check_table(results)
+    check_combine(results["combine"])
+
+
+def check_tma_where_it_ran(results: dict, exact: bool) -> None:
+    if results:
+        check_tma(results, exact=exact)
+
+
+def check_preempts(results: dict, exact: bool) -> None:
     for name in PREEMPT_CASES:
         check_preempt_before(results[f"preempt-before/{name}"])
     for name in ("mixed", "mixed-default-blocks"):
         check_preempt_heeding(results[f"preempt-heeding/{name}"])
-        check_preempt_mid(results[f"preempt-mid/{name}"], exact=False)
-        check_flag_cleared(results[f"flag-cleared/{name}"], exact=False)
-    check_table(results)
-    check_combine(results["combine"])
-    check_heights(results["heights"], exact=False)
-    if tma_runs_on("cuda"):
-        check_tma(results, exact=False)
+        check_preempt_mid(results[f"preempt-mid/{name}"], exact=exact)
+        check_flag_cleared(results[f"flag-cleared/{name}"], exact=exact)
+
+
+# what the GPU test asserts of each group (exact: the interpreter's one program, in order)
+CHECKS = {
+    "kernels": check_kernels,
+    "tables": check_tables,
+    "tma": check_tma_where_it_ran,
+    "preempt": check_preempts,
+}
+
+
+def test_the_gpu_tests_checks_hold_for_the_interpreters_results(interpreted_groups):
+    """Every group's checks as the GPU test makes them (not exact), each over its own group's results under the
+    interpreter: a check that read a key its group does not write fails here, not first on a GPU."""
+    assert set(CHECKS) == set(GROUPS) == set(interpreted_groups)
+    for group, check in CHECKS.items():
+        check(interpreted_groups[group], exact=False)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("group", GROUPS)
+def test_compiled_cases_on_cuda(group):
+    if group == "tma" and not tma_runs_on("cuda"):
+        pytest.skip("TMA does not run on this GPU")
+    CHECKS[group](GROUPS[group]("cuda"), exact=False)
 
 
 REALISTIC = dict(T=256, num_decode=192, H=1024, F=768, E=64, K=8, dtype="bfloat16")
@@ -897,4 +952,4 @@ def test_rows_are_batch_invariant():
 
 
 if __name__ == "__main__":
-    print(json.dumps(run_all("cpu")))
+    print(json.dumps({group: results("cpu") for group, results in GROUPS.items()}))
