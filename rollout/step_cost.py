@@ -153,17 +153,14 @@ class PrefillBudget:
     recorded: int = 0  # steps recorded over the model's life
     # (rows scale, prefill scale) -> a ring of that stratum's last steps: features [per_stratum, F], seconds
     _strata: dict[tuple[int, int], _Ring] = field(default_factory=dict)
-    _decode_tiles: _ExpectedTiles = field(init=False)  # E[x_dec(n)] over the MoE layers, narrow decode tiles
-    _wide_tiles: _ExpectedTiles = field(init=False)  # the same in wide decode tiles
-    _prefill_tiles: _ExpectedTiles = field(init=False)  # E[x_pre(n)] over the MoE layers
+    _tiles: dict[int, _ExpectedTiles] = field(init=False)  # tile height -> E[x(n)] over the MoE layers
     # rows -> [max_tokens + 1]: extra(p) of p prefill tokens in prefill tiles beside `rows` rows, under `coef`
     _extra: dict[int, np.ndarray] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         layers, e, k = self.num_moe_layers, self.num_experts, self.top_k
-        self._decode_tiles = _ExpectedTiles(layers, e, k, BLOCK_M_DECODE)
-        self._wide_tiles = _ExpectedTiles(layers, e, k, BLOCK_M_DECODE_WIDE)
-        self._prefill_tiles = _ExpectedTiles(layers, e, k, BLOCK_M_PREFILL)
+        heights = (BLOCK_M_DECODE, BLOCK_M_DECODE_WIDE, BLOCK_M_PREFILL)
+        self._tiles = {m: _ExpectedTiles(layers, e, k, m) for m in heights}
 
     @property
     def small_prefill(self) -> int:
@@ -208,7 +205,7 @@ class PrefillBudget:
         uniform routing."""
         n = rows + prefill_tokens
         d = kernel_num_decode(n, rows, self.top_k, self.num_experts)
-        dec, pre = self._expected_decode(d)[-1], self._prefill_tiles.upto(n - d)[-1]
+        dec, pre = self._decode_tiles_of(d), self._tiles[BLOCK_M_PREFILL].upto(n - d)[-1]
         return StepShape(rows, keys, dec, prefill_tokens, pre)
 
     def measured(self, rows: int, keys: int, routes_TLK: np.ndarray) -> StepShape:
@@ -226,8 +223,8 @@ class PrefillBudget:
         """The predicted extra step time of p = 0..max_tokens prefill tokens taking `rows` decoding rows into
         prefill tiles (the kernel's cut above S), tabulated once per fit and number of rows."""
         if rows not in self._extra:
-            tiles_N = self._prefill_tiles.upto(rows + self.max_tokens)[rows:]
-            decode_tiles = self._expected_decode(rows)[-1]
+            tiles_N = self._tiles[BLOCK_M_PREFILL].upto(rows + self.max_tokens)[rows:]
+            decode_tiles = self._decode_tiles_of(rows)
             p_P = np.arange(self.max_tokens + 1)
             self._extra[rows] = self.coef[4] * p_P + self.coef[5] * tiles_N - self.coef[3] * decode_tiles
         return self._extra[rows]
@@ -238,12 +235,20 @@ class PrefillBudget:
         tiles_N = self._expected_decode(rows + s)
         return self.coef[4] * np.arange(s + 1) + self.coef[3] * (tiles_N[rows:] - tiles_N[rows])
 
+    def _decode_tiles_of(self, tokens: int) -> float:
+        """E[x_dec] of `tokens` tokens in decode tiles, in the height the kernel gives them."""
+        return self._tiles[decode_block_m(tokens, self.top_k, self.num_experts)].upto(tokens)[-1]
+
     def _expected_decode(self, n: int) -> np.ndarray:
-        """[n + 1]: E[x_dec(0..n)], each count of tokens in the decode tiles' height the kernel gives it."""
-        wide_from = max_small_prefill(self.top_k, self.num_experts)
+        """[n + 1]: E[x_dec(0..n)], each count of tokens in the decode tiles' height the kernel gives it (narrow
+        below S, wide from S on: `decode_block_m`)."""
+        narrow, wide_from = (
+            self._tiles[BLOCK_M_DECODE].upto(n),
+            max_small_prefill(self.top_k, self.num_experts),
+        )
         if n < wide_from:
-            return self._decode_tiles.upto(n)
-        return np.concatenate([self._decode_tiles.upto(wide_from - 1), self._wide_tiles.upto(n)[wide_from:]])
+            return narrow
+        return np.concatenate([narrow[:wide_from], self._tiles[BLOCK_M_DECODE_WIDE].upto(n)[wide_from:]])
 
     def predict(self, shape: StepShape) -> float:
         if self.coef is None:
