@@ -50,6 +50,12 @@ class RolloutConfig:
         "(ping-pong); 0 = auto (3)",
     )
     cuda_graphs: bool = True
+    overlap_steps: bool = spec(
+        False,
+        help="schedule and launch each engine step while the device runs the one before (the host's work per step "
+        "hides behind the device's; the same steps and bits as waiting); off: every step is waited for before "
+        "the next is scheduled",
+    )
     cuda_graph_max_tokens: int = spec(4096, ge=1, help="steps of at most this many tokens run as CUDA graphs")
     trace_steps: bool = spec(False, help="record every step in last_stats.steps (benchmarks)")
     weight_sync_bucket_mb: int = spec(

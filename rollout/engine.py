@@ -17,6 +17,15 @@ blocks are freed and it goes back to the head of the queue with its tokens kept;
 prompt and tokens are prefilled again (recomputation) and decoding continues where it stopped. No request is
 dropped, and since a token's random draw is keyed by (seed, position), no token changes.
 
+Overlapped steps (`rollout.overlap_steps`): step t + 1 is scheduled and launched before step
+t's outputs are read, so the host's work of a step (reading the outputs, scheduling, building the inputs) runs
+while the device computes. What scheduling needs is known without the tokens: a sampled row's length grows by
+one, a response that reaches max_new_tokens ends; step t + 1's decoding rows take their tokens from step t's
+samples on the device. A response that ends by EOS or a stop token at step t is known one step late, which is
+when it would stop anyway: step t + 1 feeds its last token to record that token's experts (below), and it retires
+when step t's outputs are read. So overlapped and waited-for steps schedule the same steps and give the same
+bits.
+
 Routing capture: for every prompt token and every generated token, the top-k expert ids the engine itself
 used, per MoE layer (recorded the first time a position is computed; recomputation after a preemption records
 nothing new). The last generated token has no successor, but the trainer's forward still routes it, so a
@@ -31,6 +40,7 @@ random stream (the sampler's counter is the token's position in the sequence).
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import time
 from collections import deque
@@ -45,7 +55,7 @@ from rollout.config import RolloutConfig
 from rollout.kv_cache import BlockTable, CachePlan, KVCache, available_bytes, plan_cache
 from rollout.model import MoeDecoder
 from rollout.model_spec import MoeModelSpec
-from rollout.runner import CACHE_ROW, POSITION, SEQ, TOKEN, StepInputs, StepOutputs, StepRunner
+from rollout.runner import CACHE_ROW, POSITION, SEQ, TOKEN, LaunchedStep, StepInputs, StepOutputs, StepRunner
 from rollout.sampling import SamplingParams
 from rollout.step_cost import PrefillBudget, StepShape, layer_expert_counts
 from rollout.weights import WeightMap, allocate, init_random, load_checkpoint
@@ -144,21 +154,25 @@ class _Request:
     # position i's experts are row route_rows[i] of the call's _RouteLog
     route_rows: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    length: int = 0  # prompt + tokens: read several times a step per request, so kept, not recounted
+    # prompt + tokens drawn, the last one possibly still on the device (a step in flight sampled it): read several
+    # times a step per request, so kept, not recounted
+    length: int = 0
+    max_length: int = (
+        0  # prompt + max_new_tokens: every token is drawn once length reaches it (or it finished)
+    )
+    # the launch that drew the request's last token, and the token's index among that launch's samples
+    drawn_at: int = -1
+    drawn_index: int = -1
 
     def __post_init__(self) -> None:
         self.length = len(self.prompt) + len(self.tokens)
-
-    def append(self, token: int, logprob: float) -> None:
-        self.tokens.append(token)
-        self.logprobs.append(logprob)
-        self.length += 1
+        self.max_length = len(self.prompt) + self.params.max_new_tokens
 
     @property
     def target(self) -> int:
         """Positions to prefill before decoding: the prompt, or after a preemption every token but the last
         (which the next decode step feeds)."""
-        return self.length - 1 if self.tokens else len(self.prompt)
+        return self.length - 1 if self.length > len(self.prompt) else len(self.prompt)
 
     @property
     def decoding(self) -> bool:
@@ -176,20 +190,27 @@ class _Request:
 
 class _RouteLog:
     """Every step's routes of one generate call, kept whole: a request holds the rows of its positions and
-    gathers them once, when it is output (a step's bookkeeping then copies no routes)."""
+    gathers them once, when it is output (a step's bookkeeping then copies no routes). A step's rows are
+    reserved when it is launched and filled, in launch order, when its outputs arrive."""
 
     def __init__(self) -> None:
         self.steps: list[np.ndarray] = []
-        self.num_rows = 0
+        self.num_rows = 0  # filled
+        self.num_reserved = 0
         self._joined: np.ndarray | None = None
 
-    def add(self, routes_TLK: np.ndarray) -> int:
-        """Keep a step's routes (an array the caller does not reuse); returns the log row of its first token."""
-        first = self.num_rows
+    def reserve(self, num_tokens: int) -> int:
+        """The log row of a launched step's first token."""
+        first = self.num_reserved
+        self.num_reserved += num_tokens
+        return first
+
+    def fill(self, first: int, routes_TLK: np.ndarray) -> None:
+        """Keep a step's routes (an array the caller does not reuse) at the rows reserved for it."""
+        assert first == self.num_rows, "steps filled out of launch order"
         self.steps.append(routes_TLK)
         self.num_rows += len(routes_TLK)
         self._joined = None
-        return first
 
     def gather(self, rows: list[int]) -> np.ndarray:
         if self._joined is None:
@@ -311,6 +332,12 @@ class RolloutEngine:
         )
 
     @property
+    def overlapping(self) -> bool:
+        """Whether step t + 1 is launched before step t's outputs are read: `rollout.overlap_steps` with the
+        engine's own runner (one standing in for it, e.g. a benchmark's, runs each step to its end)."""
+        return self.config.overlap_steps and isinstance(self.runner, StepRunner)
+
+    @property
     def max_seqs(self) -> int:
         """Sequences decoded at once at most (block-table rows)."""
         return self.cache_plan.max_seqs
@@ -352,20 +379,17 @@ class RolloutEngine:
         scheduler = _Scheduler(self.cache.table, requests, self.config.max_step_tokens, budget)
         done: list[_Request] = []
         log = _RouteLog()
+        depth = 1 if self.overlapping else 0  # steps launched and not yet read, beside the one being launched
+        flights: deque[_InFlight] = deque()
+        launches = itertools.count()
         with torch.inference_mode():
             while not scheduler.idle:
-                step = scheduler.next_step()
-                held = self.cache.table.num_used_blocks
-                inputs = self._inputs(step)
-                graphs = self.runner.num_graphs
-                t0 = time.perf_counter()
-                out = self.runner.run(inputs)
-                seconds = time.perf_counter() - t0
-                done += self._advance(step, out, scheduler, log)
-                captured = self.runner.num_graphs != graphs  # its time holds the capture (many steps' worth)
-                self._count(stats, step, inputs, out, held, seconds, captured)
-                if self.prefill_budget is not None and not captured:
-                    self.prefill_budget.record(self._shape(inputs, out), seconds)
+                unread = flights[-1].launch if flights else -1
+                flights.append(self._launch(scheduler, next(launches), unread, log, done))
+                while len(flights) > depth:
+                    self._complete(flights.popleft(), scheduler, log, stats, done)
+            while flights:
+                self._complete(flights.popleft(), scheduler, log, stats, done)
         stats.num_preemptions = scheduler.num_preemptions
         stats.num_generated_tokens = sum(len(r.tokens) for r in requests)
         stats.cuda_graphs, stats.num_graphs = self.runner.use_cuda_graphs, self.runner.num_graphs
@@ -412,19 +436,47 @@ class RolloutEngine:
         return prompt
 
     # ------------------------------------------------------------------------------------------ steps
-    def _inputs(self, step: _Step) -> StepInputs:
-        """The step's flat tokens (decode rows, then prefill pieces) and the sampling rows, as arrays."""
+    def _launch(
+        self, scheduler: _Scheduler, launch: int, unread: int, log: _RouteLog, done: list[_Request]
+    ) -> _InFlight:
+        """Schedule a step, launch it, and settle what does not wait for its outputs: the positions it computes,
+        the draws it holds (as counts: their tokens come with the outputs), the requests it retires. `unread`:
+        the launch whose outputs are not read yet (-1: none)."""
+        step = scheduler.next_step()
+        held = self.cache.table.num_used_blocks
+        inputs = self._inputs(step, unread)
+        graphs = self.runner.num_graphs
+        if self.overlapping:
+            launched = self.runner.launch(inputs)
+        else:
+            t0 = time.perf_counter()
+            launched = _Ran(self.runner.run(inputs), 0.0)
+            launched.seconds = time.perf_counter() - t0
+        captured = self.runner.num_graphs != graphs  # its time holds the capture (many steps' worth)
+        first = log.reserve(inputs.num_tokens)
+        draws = self._settle(step, launch, first, scheduler, done)
+        return _InFlight(step, inputs, launched, launch, first, draws, held, captured)
+
+    def _inputs(self, step: _Step, unread: int) -> StepInputs:
+        """The step's flat tokens (decode rows, then prefill pieces) and the sampling rows, as arrays. A decoding
+        row whose token the launch `unread` drew, still on the device, is fed from there (`feed_D`)."""
         decode, pieces = step.decode, step.pieces
         n = len(decode)
         total = n + sum(m for _, _, m in pieces)
         tok = np.empty((total, 4), dtype=np.int64)
-        if n:
+        feed = None
+        if n and unread >= 0:
+            feed = np.fromiter((r.drawn_index if r.drawn_at == unread else -1 for r in decode), np.int64, n)
+            tok[:n, TOKEN] = [r.tokens[-1] if r.drawn_at != unread else 0 for r in decode]
+        elif n:
             tok[:n, TOKEN] = [r.tokens[-1] for r in decode]
+        if n:
             tok[:n, POSITION] = np.fromiter((r.length - 1 for r in decode), np.int64, n)
             tok[:n, SEQ] = np.fromiter((r.row for r in decode), np.int64, n)
         spans, offset = [], n
         for r, start, m in pieces:
             seq = r.prompt + r.tokens if r.tokens else r.prompt
+            assert start + m <= len(seq), "a prefill piece reaches a token not fetched yet"
             tok[offset : offset + m, TOKEN] = seq[start : start + m]
             tok[offset : offset + m, POSITION] = np.arange(start, start + m)
             tok[offset : offset + m, SEQ] = r.row
@@ -440,42 +492,75 @@ class RolloutEngine:
             samples_S=np.asarray(samples, dtype=np.int64),
             seeds_S=np.fromiter((r.seed for r in sampled), np.uint64, len(sampled)),
             top_k_S=np.fromiter((r.params.top_k for r in sampled), np.int64, len(sampled)),
-            # a finished request's last step only records its token's experts: sample it greedily
+            # a request with every token drawn rides along only to record its last token's experts: greedy
             temperature_S=np.fromiter(
-                (0.0 if r.finish_reason else r.params.temperature for r in sampled), np.float32, len(sampled)
+                (
+                    0.0 if r.finish_reason is not None or r.length >= r.max_length else r.params.temperature
+                    for r in sampled
+                ),
+                np.float32,
+                len(sampled),
             ),
             top_p_S=np.fromiter((r.params.top_p for r in sampled), np.float32, len(sampled)),
+            feed_D=feed,
         )
 
-    def _advance(
-        self, step: _Step, out: StepOutputs, scheduler: _Scheduler, log: _RouteLog
-    ) -> list[_Request]:
-        """Record the step's routing, append the sampled tokens, retire finished requests."""
-        # astype copies: the runner reuses its output buffers
-        first = log.add(out.routes_TLK.astype(self.route_dtype))
-        tokens, logprobs = out.tokens_S.tolist(), out.logprobs_S.tolist()
-        finished = []
+    def _settle(
+        self, step: _Step, launch: int, first: int, scheduler: _Scheduler, done: list[_Request]
+    ) -> list[tuple[_Request, int]]:
+        """A launched step's bookkeeping that needs none of its outputs: the positions it computed (their routes
+        are log rows from `first`), one more drawn token for each row it samples, and the retirement of the
+        requests it fed their last token. Returns (request, sample index) of the draws to fetch."""
+        draws = []
         for i, r in enumerate(step.decode):
             n = r.length
             r.record(n - 1, first + i, 1)
             r.num_cached = n
-            if r.finish_reason is not None:  # this step only recorded its last token's experts
+            if (
+                r.finish_reason is not None or n >= r.max_length
+            ):  # all drawn: fed its last token to record its experts
                 scheduler.retire(r)
-                finished.append(r)
+                done.append(r)
             else:
-                self._append(r, tokens[i], logprobs[i])
-        offset, j = len(step.decode), len(step.decode)
+                r.length, r.drawn_at, r.drawn_index = n + 1, launch, i
+                draws.append((r, i))
+        offset = j = len(step.decode)
         for (r, start, m), end in zip(step.pieces, step.ends):
             r.record(start, first + offset, m)
             r.num_cached = start + m
             offset += m
             if end:
-                self._append(r, tokens[j], logprobs[j])
+                r.length, r.drawn_at, r.drawn_index = r.length + 1, launch, j
+                draws.append((r, j))
                 j += 1
-        return finished
+        return draws
+
+    def _complete(
+        self, f: _InFlight, scheduler: _Scheduler, log: _RouteLog, stats: GenerateStats, done: list[_Request]
+    ) -> None:
+        """Read a launched step's outputs: its routes, the tokens it drew (ending responses), its counts."""
+        out = f.launched.outputs()
+        log.fill(
+            f.first_row, out.routes_TLK.astype(self.route_dtype)
+        )  # copies: the runner reuses its buffers
+        tokens, logprobs = out.tokens_S.tolist(), out.logprobs_S.tolist()
+        for r, j in f.draws:
+            if r.finish_reason is not None:  # an earlier draw ended the response: this one is dropped
+                r.length -= 1
+                continue
+            self._append(r, tokens[j], logprobs[j])
+            if r.finish_reason is not None and r.length > len(r.prompt) + len(r.tokens):
+                # the step after this one, launched already, fed this token to record its experts: done
+                assert r.row >= 0
+                scheduler.retire(r)
+                done.append(r)
+        self._count(stats, f, out)
+        if self.prefill_budget is not None and not f.captured:
+            self.prefill_budget.record(self._shape(f.inputs, out), f.launched.seconds)
 
     def _append(self, r: _Request, token: int, logprob: float) -> None:
-        r.append(token, logprob)
+        r.tokens.append(token)
+        r.logprobs.append(logprob)
         if token in self.eos_token_ids and not r.params.ignore_eos:
             r.finish_reason = "eos"
         elif token in r.stop_ids:
@@ -483,17 +568,9 @@ class RolloutEngine:
         elif len(r.tokens) >= r.params.max_new_tokens:
             r.finish_reason = "length"
 
-    def _count(
-        self,
-        stats: GenerateStats,
-        step: _Step,
-        inputs: StepInputs,
-        out: StepOutputs,
-        held: int,
-        seconds: float,
-        captured: bool,
-    ) -> None:
-        """Step counts; `held` = the KV blocks held while the step ran."""
+    def _count(self, stats: GenerateStats, f: _InFlight, out: StepOutputs) -> None:
+        """Step counts; `f.held` = the KV blocks held while the step ran."""
+        step, inputs, seconds, held = f.step, f.inputs, f.launched.seconds, f.held
         n, prefill = len(step.decode), inputs.num_tokens - len(step.decode)
         table = self.cache.table
         stats.num_steps += 1
@@ -507,7 +584,7 @@ class RolloutEngine:
                 stats.mixed_s += seconds
         else:
             stats.prefill_s += seconds
-        if captured:
+        if f.captured:
             stats.num_captures += 1
             stats.capture_s += seconds
         stats.kv_blocks_peak = max(stats.kv_blocks_peak, held)
@@ -517,7 +594,7 @@ class RolloutEngine:
             touched = int((layer_expert_counts(out.routes_TLK, self.spec.num_experts) > 0).sum())
             keys = int(inputs.tokens_T4[:n, POSITION].sum()) + n
             stats.steps.append(
-                StepTrace(n, prefill, keys, held * table.plan.block_size, touched, seconds, captured)
+                StepTrace(n, prefill, keys, held * table.plan.block_size, touched, seconds, f.captured)
             )
 
     def _shape(self, inputs: StepInputs, out: StepOutputs) -> StepShape:
@@ -539,6 +616,31 @@ class RolloutEngine:
             routed_experts=routes,
             seed=r.seed,
         )
+
+
+@dataclass
+class _Ran:
+    """A step a runner without `launch` ran to its end (`seconds`: host-timed)."""
+
+    result: StepOutputs
+    seconds: float
+
+    def outputs(self) -> StepOutputs:
+        return self.result
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A launched step and what reading its outputs completes."""
+
+    step: _Step
+    inputs: StepInputs
+    launched: LaunchedStep | _Ran
+    launch: int
+    first_row: int  # the route log's row of its first token
+    draws: list[tuple[_Request, int]]  # the requests it draws a token for, and the token's sample index
+    held: int  # KV blocks held while it ran
+    captured: bool  # it captured a CUDA graph, so its time holds the capture
 
 
 @dataclass(frozen=True)
@@ -602,7 +704,7 @@ class _Scheduler:
                 f"rollout scheduler: no step possible with {len(self.waiting)} waiting requests and "
                 f"{self.table.num_free_blocks} free KV blocks (a bug: the cache holds one full-length sequence)"
             )
-        ends = [start + m == r.target and not r.tokens for r, start, m in pieces]
+        ends = [start + m == r.target and r.length == len(r.prompt) for r, start, m in pieces]
         return _Step(decode, pieces, ends, len(self.running))
 
     def retire(self, r: _Request) -> None:

@@ -176,11 +176,16 @@ class KVCache:
         self.plan = plan
         self.table = BlockTable(plan)
         self.table_RB = torch.zeros(self.table.table_RB.shape, dtype=torch.int32, device=device)
-        # CUDA: the table is staged in pinned memory so its copy to the device is asynchronous
-        self._pinned_RB = (
-            torch.zeros_like(self.table_RB, device="cpu").pin_memory() if device.type == "cuda" else None
+        # CUDA: the table is staged in pinned memory so its copy to the device is asynchronous. Two buffers taken
+        # in turn: a step may stage a new table while the previous step's copy is still queued behind the step
+        # before it (the runner's overlapped launches); the copy before that has run by then (StepRunner.launch).
+        self._pinned_2RB = (
+            [torch.zeros_like(self.table_RB, device="cpu").pin_memory() for _ in range(2)]
+            if device.type == "cuda"
+            else None
         )
         self._synced_version = -1
+        self._num_copies = 0
 
     @property
     def block_size(self) -> int:
@@ -200,10 +205,11 @@ class KVCache:
         if self._synced_version == self.table.version:
             return
         src_RB = torch.from_numpy(self.table.table_RB)
-        if self._pinned_RB is not None:
-            src_RB = self._pinned_RB.copy_(src_RB)
+        if self._pinned_2RB is not None:
+            src_RB = self._pinned_2RB[self._num_copies % 2].copy_(src_RB)
         self.table_RB.copy_(src_RB, non_blocking=True)
         self._synced_version = self.table.version
+        self._num_copies += 1
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as [X, M, D] views."""

@@ -15,12 +15,19 @@ graph reads through slices; outputs land in static buffers too. Weights are upda
 `load_weights`, so graphs stay valid. With graphs off or after a failed capture the same step function runs
 eagerly at the same padded shape (the same bits); on CPU it runs on the unpadded step.
 
+`launch` queues a step and returns before it has run; its `LaunchedStep.outputs()` waits for it. So the host can
+schedule and queue step t + 1 while the device runs step t: a decoding row's token sampled by step t is then
+not on the host yet, and the step names it by its index among step t's samples (`StepInputs.feed_D`), gathered
+on the device from the static sample buffer before the step runs. The pinned host buffers come in two sets used
+in turn, so step t + 1 is staged while step t's copies are in flight.
+
 Legend: T flat tokens, Q prefill tiles, S sampled rows, L MoE layers, K top-k, V vocab.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +55,9 @@ class StepInputs:
     top_k_S: np.ndarray  # int64, 0 = off
     temperature_S: np.ndarray  # float32, 0 = greedy
     top_p_S: np.ndarray  # float32
+    # int64 per decoding row: the index of its token among the previous launch's samples, which the device
+    # holds and the host does not yet (-1: tokens_T4 holds the token); None: every token is in tokens_T4
+    feed_D: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +76,54 @@ class StepOutputs:
     tokens_S: np.ndarray  # int64
     logprobs_S: np.ndarray  # float32
     routes_TLK: np.ndarray  # int16 (int32 beyond 32767 experts), the step's tokens in StepInputs order
+
+
+class LaunchedStep:
+    """A queued step. `outputs()` waits for it and returns its results as host arrays, which stay valid until the
+    launch after the next one reuses its buffers (asking later raises); `seconds` is then its device time (CUDA:
+    between events around its copies and its run; CPU: the launch, which ran it)."""
+
+    def __init__(self, x: StepInputs, shape: _Shape, host: _HostSet, number: int, began: float) -> None:
+        self._x, self._shape, self._host, self._number = x, shape, host, number
+        self._started, self._done = host.started, host.done
+        self._outputs: StepOutputs | None = None
+        self.seconds = time.perf_counter() - began if self._done is None else 0.0
+
+    def outputs(self) -> StepOutputs:
+        if self._outputs is None:
+            host, x, shape = self._host, self._x, self._shape
+            if host.launch != self._number:
+                raise RuntimeError(
+                    f"step {self._number}'s outputs were asked for after launch {host.launch} reused its buffers"
+                )
+            if self._done is not None:
+                self._done.synchronize()  # the step's only host sync
+                self.seconds = self._started.elapsed_time(self._done) / 1e3
+            s, n = len(x.samples_S), x.num_decode
+            routes = host.routes_TLK.numpy()
+            if shape.decode != n:
+                routes = np.concatenate((routes[:n], routes[shape.decode : shape.decode + x.num_tokens - n]))
+            self._outputs = StepOutputs(
+                host.tokens_S[:s].numpy(), host.logprobs_S[:s].numpy(), routes[: x.num_tokens]
+            )
+        return self._outputs
+
+
+@dataclass
+class _HostSet:
+    """One set of the host's staging buffers (pinned on CUDA) and the events of the last step that used it."""
+
+    tokens_T4: torch.Tensor
+    tiles_2Q: torch.Tensor
+    feed_2D: torch.Tensor  # decoding rows fed from the previous step's samples | their sample indices
+    sample_ints_S3: torch.Tensor
+    sample_floats_S2: torch.Tensor
+    routes_TLK: torch.Tensor
+    tokens_S: torch.Tensor
+    logprobs_S: torch.Tensor
+    launch: int = -1  # the launch that last used the set
+    started: torch.cuda.Event | None = None
+    done: torch.cuda.Event | None = None
 
 
 @dataclass(frozen=True)
@@ -106,25 +164,27 @@ class StepRunner:
         # A padded step may exceed max_step_tokens by the padding of its decode rows and prefill tokens.
         max_tokens = max_step_tokens + max_seqs + max(max_step_tokens, graph_max_tokens)
         max_tiles = -(-max_tokens // self.tile) + max_seqs
-        pin = device.type == "cuda"
-
-        def pair(shape, dtype):
-            return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(
-                shape, dtype=dtype, pin_memory=pin
-            )
-
-        self.tokens_T4, self._host_tokens_T4 = pair((max_tokens, 4), torch.long)
-        # tile starts | tile lengths as rows, so each is a contiguous vector (the kernels index them so)
-        self.tiles_2Q, self._host_tiles_2Q = pair((2, max_tiles), torch.int32)
-        # samples: flat index, seed bits, top_k | temperature, top_p
-        self.sample_ints_S3, self._host_sample_ints_S3 = pair((max_seqs, 3), torch.long)
-        self.sample_floats_S2, self._host_sample_floats_S2 = pair((max_seqs, 2), torch.float32)
         route_dtype = torch.int16 if spec.num_experts <= 2**15 else torch.int32
-        self.routes_TLK, self._host_routes_TLK = pair(
-            (max_tokens, spec.num_moe_layers, spec.top_k), route_dtype
+        shapes = dict(
+            tokens_T4=((max_tokens, 4), torch.long),
+            # tile starts | tile lengths as rows, so each is a contiguous vector (the kernels index them so)
+            tiles_2Q=((2, max_tiles), torch.int32),
+            feed_2D=((2, max_seqs), torch.long),
+            # samples: flat index, seed bits, top_k | temperature, top_p
+            sample_ints_S3=((max_seqs, 3), torch.long),
+            sample_floats_S2=((max_seqs, 2), torch.float32),
+            routes_TLK=((max_tokens, spec.num_moe_layers, spec.top_k), route_dtype),
+            tokens_S=(max_seqs, torch.long),
+            logprobs_S=(max_seqs, torch.float32),
         )
-        self.tokens_S, self._host_tokens_S = pair(max_seqs, torch.long)
-        self.logprobs_S, self._host_logprobs_S = pair(max_seqs, torch.float32)
+        for name, (shape, dtype) in shapes.items():
+            setattr(self, name, torch.zeros(shape, dtype=dtype, device=device))
+        pin = device.type == "cuda"
+        self._hosts = [
+            _HostSet(**{n: torch.zeros(sh, dtype=dt, pin_memory=pin) for n, (sh, dt) in shapes.items()})
+            for _ in range(2)
+        ]
+        self._num_launches = 0
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
         self.capture_error: str | None = None
         self._graphs: dict[_Shape, torch.cuda.CUDAGraph] = {}
@@ -135,12 +195,25 @@ class StepRunner:
         return len(self._graphs)
 
     def run(self, x: StepInputs) -> StepOutputs:
-        """One step: stage the inputs, run (graph replay or eager), fetch the outputs. On CUDA a step runs at its
-        padded bucket shape with or without graphs, so both give the same bits."""
+        """One step, waited for (see `launch`)."""
+        return self.launch(x).outputs()
+
+    def launch(self, x: StepInputs) -> LaunchedStep:
+        """Queue one step: stage the inputs, run (graph replay or eager), queue the outputs' copies to the host.
+        On CUDA a step runs at its padded bucket shape with or without graphs, so both give the same bits."""
+        began = time.perf_counter()
         starts, lengths = prefill_tiles(x.pieces, self.tile)
         shape = self._bucket_shape(x, len(starts)) if self.device.type == "cuda" else None
         shape = shape or self._exact_shape(x, len(starts))
-        self._stage(x, shape, starts, lengths)
+        host = self._hosts[self._num_launches % 2]
+        if host.done is not None:
+            host.done.synchronize()  # the launch before last, which staged from these buffers, has run
+        host.launch = self._num_launches
+        self._num_launches += 1
+        if self.device.type == "cuda":
+            host.started, host.done = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            host.started.record()
+        self._stage(x, shape, starts, lengths, host)
         graph = None
         if self.use_cuda_graphs and shape.tokens <= self.graph_max_tokens:
             graph = self._graphs.pop(shape, None) or self._capture(shape)
@@ -151,7 +224,7 @@ class StepRunner:
             if len(self._graphs) > MAX_GRAPHS:
                 self._graphs.pop(next(iter(self._graphs)))
             graph.replay()
-        return self._fetch(x, shape)
+        return self._fetch(x, shape, host, began)
 
     def _exact_shape(self, x: StepInputs, num_tiles: int) -> _Shape:
         return _Shape(x.num_decode, x.num_tokens - x.num_decode, num_tiles, len(x.samples_S), x.filtered)
@@ -168,57 +241,62 @@ class StepRunner:
         samples = decode + (_pow2_at_least(ends, 1) if ends else 0)
         return _Shape(decode, prefill, tiles, min(samples, self.max_seqs), exact.filtered)
 
-    def _stage(self, x: StepInputs, shape: _Shape, starts: list[int], lengths: list[int]) -> None:
+    def _stage(
+        self, x: StepInputs, shape: _Shape, starts: list[int], lengths: list[int], host: _HostSet
+    ) -> None:
         """Copy the step into the static buffers at the padded layout: decode rows [0, n) then padding rows to
-        shape.decode, prefill tokens from shape.decode; padding tokens sit in the padding row at position 0."""
+        shape.decode, prefill tokens from shape.decode; padding tokens sit in the padding row at position 0.
+        Then the fed rows take their tokens from the previous step's samples, still in `tokens_S`."""
         n, t = x.num_decode, shape.tokens
         shift = shape.decode - n
-        tok = self._host_tokens_T4[:t].numpy()
+        tok = host.tokens_T4[:t].numpy()
         tok[:] = 0
         tok[:, SEQ] = self.model.cache.table.padding_row
         tok[:n] = x.tokens_T4[:n]
         tok[shape.decode : shape.decode + x.num_tokens - n] = x.tokens_T4[n:]
-        tiles = self._host_tiles_2Q[:, : shape.tiles].numpy()
+        tiles = host.tiles_2Q[:, : shape.tiles].numpy()
         tiles[:] = 0
         tiles[0, : len(starts)] = np.asarray(starts, dtype=np.int64) + shift
         tiles[1, : len(starts)] = lengths
         s = len(x.samples_S)
         ints, floats = (
-            self._host_sample_ints_S3[: shape.samples].numpy(),
-            self._host_sample_floats_S2[: shape.samples].numpy(),
+            host.sample_ints_S3[: shape.samples].numpy(),
+            host.sample_floats_S2[: shape.samples].numpy(),
         )
         ints[:] = 0
         floats[:] = (0.0, 1.0)
         ints[:s, 0] = np.where(x.samples_S >= n, x.samples_S + shift, x.samples_S)
         ints[:s, 1], ints[:s, 2] = x.seeds_S.view(np.int64), x.top_k_S
         floats[:s, 0], floats[:s, 1] = x.temperature_S, x.top_p_S
+        fed = np.flatnonzero(x.feed_D >= 0) if x.feed_D is not None else ()
+        if len(fed):
+            feed = host.feed_2D[:, : len(fed)].numpy()
+            feed[0], feed[1] = fed, x.feed_D[fed]
         self.model.cache.sync_table()
-        for dev, host, rows in (
-            (self.tokens_T4, self._host_tokens_T4, t),
-            (self.tiles_2Q.T, self._host_tiles_2Q.T, shape.tiles),
-            (self.sample_ints_S3, self._host_sample_ints_S3, shape.samples),
-            (self.sample_floats_S2, self._host_sample_floats_S2, shape.samples),
+        for dev, src, rows in (
+            (self.tokens_T4, host.tokens_T4, t),
+            (self.tiles_2Q.T, host.tiles_2Q.T, shape.tiles),
+            (self.feed_2D.T, host.feed_2D.T, len(fed)),
+            (self.sample_ints_S3, host.sample_ints_S3, shape.samples),
+            (self.sample_floats_S2, host.sample_floats_S2, shape.samples),
         ):
-            dev[:rows].copy_(host[:rows], non_blocking=True)
+            dev[:rows].copy_(src[:rows], non_blocking=True)
+        if len(fed):
+            rows_D, index_D = self.feed_2D[:, : len(fed)]
+            self.tokens_T4[rows_D, TOKEN] = self.tokens_S[index_D]
 
-    def _fetch(self, x: StepInputs, shape: _Shape) -> StepOutputs:
+    def _fetch(self, x: StepInputs, shape: _Shape, host: _HostSet, began: float) -> LaunchedStep:
+        """Queue the copies of the step's outputs to the host set's buffers, then its done event."""
         s, t = len(x.samples_S), shape.tokens
-        pairs = (
-            (self._host_tokens_S, self.tokens_S, s),
-            (self._host_logprobs_S, self.logprobs_S, s),
-            (self._host_routes_TLK, self.routes_TLK, t),
-        )
-        for host, dev, rows in pairs:
-            host[:rows].copy_(dev[:rows], non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the step's only host sync
-        routes = self._host_routes_TLK.numpy()
-        n = x.num_decode
-        if shape.decode != n:
-            routes = np.concatenate((routes[:n], routes[shape.decode : shape.decode + x.num_tokens - n]))
-        return StepOutputs(
-            self._host_tokens_S[:s].numpy(), self._host_logprobs_S[:s].numpy(), routes[: x.num_tokens]
-        )
+        for dst, dev, rows in (
+            (host.tokens_S, self.tokens_S, s),
+            (host.logprobs_S, self.logprobs_S, s),
+            (host.routes_TLK, self.routes_TLK, t),
+        ):
+            dst[:rows].copy_(dev[:rows], non_blocking=True)
+        if host.done is not None:
+            host.done.record()
+        return LaunchedStep(x, shape, host, host.launch, began)
 
     def _step(self, shape: _Shape) -> None:
         """The captured work: forward of the step's tokens, then sampling into tokens_S / logprobs_S."""

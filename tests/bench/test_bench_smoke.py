@@ -20,6 +20,7 @@ SCRIPTS = {
     ],
     "rollout_long": ["--tiny"],
     "rollout_host": ["--tiny"],
+    "rollout_overlap": ["--tiny"],
     "rollout_expertplex": ["--tiny"],
     "rollout_disagg": ["--profile", "--tiny"],
     "relibra_executor": ["--tiny"],

@@ -202,6 +202,52 @@ def test_blocks_running_out_preempt_without_losing_or_changing_anything(qwen_ckp
     assert stats.num_prefill_tokens > sum(map(len, prompts))
 
 
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"max_batch_size": 3, "max_step_tokens": 5}, {"max_batch_size": 4, "kv_cache_tokens": 5 * 16}],
+    ids=["roomy", "chunked", "preempting"],
+)
+def test_overlapped_steps_equal_waited_steps(qwen_ckpt, config):
+    """Scheduling step t + 1 before step t's tokens are read (its decoding rows fed from the device) changes no
+    token, log-prob, route, finish or schedule: responses end by EOS, stop tokens and length at every step, one
+    request draws a single token, and (preempting) the youngest rows are preempted and recomputed."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 96, size=n).tolist() for n in (3, 9, 1, 14, 6, 2, 11, 5)]
+    params = [
+        SamplingParams(max_new_tokens=n, temperature=t, seed=s, stop_token_ids=stop)
+        for n, t, s, stop in zip(
+            (30, 17, 1, 33, 12, 40, 7, 25),
+            (1.0, 1.3, 1.0, 0.7, 1.0, 1.0, 0, 1.0),
+            range(8),
+            ([4, 25], [], [7], [84, 91], [], [51], [], [28, 1]),
+        )
+    ]
+    runs = {}
+    for overlap in (True, False):
+        engine = RolloutEngine.from_pretrained(
+            qwen_ckpt, config=small_config(**config, overlap_steps=overlap, trace_steps=True)
+        )
+        engine.eos_token_ids = frozenset({15, 18})
+        fed, launch = [], engine.runner.launch
+        engine.runner.launch = lambda x, fed=fed, launch=launch: fed.append(x.feed_D is not None) or launch(x)
+        runs[overlap] = engine.generate(prompts, params), engine.last_stats, fed
+    (overlapped, a, fed), (waited, b, not_fed) = runs[True], runs[False]
+    assert sum(fed) > 0 and not any(not_fed)
+    for x, y in zip(overlapped, waited):
+        _assert_same(x, y, lp_atol=0)
+        assert x.num_tokens == len(x.routed_experts)
+    assert {o.finish_reason for o in waited} == {"eos", "stop", "length"}
+    assert [(t.num_decode, t.num_prefill, t.kv_positions) for t in a.steps] == [
+        (t.num_decode, t.num_prefill, t.kv_positions) for t in b.steps
+    ]
+    assert (a.num_preemptions, a.num_prefill_tokens, a.peak_running) == (
+        b.num_preemptions,
+        b.num_prefill_tokens,
+        b.peak_running,
+    )
+    assert (a.num_preemptions > 0) == ("kv_cache_tokens" in config)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize(
     "config",

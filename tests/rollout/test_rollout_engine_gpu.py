@@ -182,3 +182,35 @@ def test_preemption_on_cuda_keeps_every_request():
         assert len(a.token_ids) == 100 and a.num_tokens == len(a.routed_experts)
         same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), 100)
         assert same >= 10
+
+
+@pytest.mark.parametrize("kv_tokens", [0, 512], ids=["roomy", "preempting"])
+def test_overlapped_steps_equal_waited_steps_on_cuda(kv_tokens):
+    """Steps launched before the previous step's tokens reach the host (rows fed from the device, two sets of
+    pinned buffers, double-buffered block table) give the bits of steps waited for, graphs on, with responses
+    ending by EOS, stop tokens and length, and (preempting) recomputation."""
+    hf = _hf_model()
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 512, size=n).tolist() for n in (20, 50, 9, 70, 33, 12, 5, 41)]
+    params = [
+        SamplingParams(
+            max_new_tokens=n, temperature=1.0, seed=s, stop_token_ids=rng.integers(0, 512, 6).tolist()
+        )
+        for s, n in enumerate((100, 80, 1, 120, 60, 90, 30, 110))
+    ]
+    runs = {}
+    for overlap in (True, False):
+        engine = _engine(hf, graphs=True, overlap_steps=overlap, kv_cache_tokens=kv_tokens)
+        engine.eos_token_ids = frozenset(rng.integers(0, 512, 4).tolist()) if overlap else runs[True][2]
+        runs[overlap] = engine.generate(prompts, params), engine.last_stats, engine.eos_token_ids
+    (a, sa, _), (b, sb, _) = runs[True], runs[False]
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+        np.testing.assert_array_equal(x.logprobs, y.logprobs)
+        np.testing.assert_array_equal(x.routed_experts, y.routed_experts)
+    assert (sa.num_steps, sa.num_preemptions, sa.num_prefill_tokens) == (
+        sb.num_steps,
+        sb.num_preemptions,
+        sb.num_prefill_tokens,
+    )
+    assert (sa.num_preemptions > 0) == bool(kv_tokens) and sa.decode_s > 0 and sa.num_graphs > 0
