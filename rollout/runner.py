@@ -122,6 +122,7 @@ class _HostSet:
     tokens_S: torch.Tensor
     logprobs_S: torch.Tensor
     launch: int = -1  # the launch that last used the set
+    # CUDA: recorded around each step that uses the set, read before the set's next use (LaunchedStep)
     started: torch.cuda.Event | None = None
     done: torch.cuda.Event | None = None
 
@@ -184,6 +185,8 @@ class StepRunner:
             _HostSet(**{n: torch.zeros(sh, dtype=dt, pin_memory=pin) for n, (sh, dt) in shapes.items()})
             for _ in range(2)
         ]
+        for host in self._hosts if pin else ():
+            host.started, host.done = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         self._num_launches = 0
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
         self.capture_error: str | None = None
@@ -206,12 +209,10 @@ class StepRunner:
         shape = self._bucket_shape(x, len(starts)) if self.device.type == "cuda" else None
         shape = shape or self._exact_shape(x, len(starts))
         host = self._hosts[self._num_launches % 2]
-        if host.done is not None:
-            host.done.synchronize()  # the launch before last, which staged from these buffers, has run
         host.launch = self._num_launches
         self._num_launches += 1
-        if self.device.type == "cuda":
-            host.started, host.done = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        if host.done is not None:
+            host.done.synchronize()  # the launch before last, which staged from these buffers, has run
             host.started.record()
         self._stage(x, shape, starts, lengths, host)
         graph = None
