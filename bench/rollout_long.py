@@ -166,6 +166,7 @@ def engine_config(args, kind: str) -> RolloutConfig:
         kv_cache_tokens=args.kv_tokens,
         cuda_graphs=not args.eager,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+        overlap_steps=args.overlap_steps,
         trace_steps=True,
     )
 
@@ -795,6 +796,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cuda-graph-max-tokens", type=int, default=1024)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument(
+        "--overlap-steps",
+        action="store_true",
+        help="rollout.overlap_steps: each step launched while the device runs the one before (step seconds are "
+        "then the device's, from CUDA events)",
+    )
+    ap.add_argument(
         "--warmup-tokens",
         type=int,
         default=256,
@@ -841,6 +848,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(
             "--time-limit-s with --max-decode-slowdown: the mixed steps' budget learns from step times, which "
             "the steps after the cut do not have, so the schedule would not be the real one; drop one of them"
+        )
+    if args.time_limit_s and args.overlap_steps:
+        ap.error(
+            "--time-limit-s with --overlap-steps: the cut runner waits for every step, so the section would not "
+            "run overlapped; drop one of them"
         )
     return args
 

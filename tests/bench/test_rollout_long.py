@@ -159,3 +159,10 @@ def test_a_time_limit_with_a_mixed_step_budget_is_refused(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--tiny", "--time-limit-s", "60"])  # --tiny sets --max-decode-slowdown 0.2
     assert "budget learns from step times" in capsys.readouterr().err
+
+
+def test_a_time_limit_with_overlapped_steps_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--time-limit-s", "60", "--overlap-steps"])
+    assert "cut runner waits for every step" in capsys.readouterr().err
+    assert bench.engine_config(bench.parse_args(["--overlap-steps"]), "paged").overlap_steps
