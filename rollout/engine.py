@@ -104,7 +104,8 @@ class StepTrace:
 class GenerateStats:
     """Counters of the last `generate` call (for the loop's metrics, benchmarks and logs). Steps that carry
     decoding rows count as decode steps (mixed ones also carry prefill chunks); prefill_s is the time of steps
-    with no decoding row."""
+    with no decoding row. A step's seconds are the host's around it when steps are waited for, the device's
+    (CUDA events around its copies and its run) when they overlap (`RolloutEngine.overlapping`)."""
 
     num_requests: int = 0
     num_prompt_tokens: int = 0
