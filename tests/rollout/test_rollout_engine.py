@@ -404,3 +404,31 @@ def test_persistent_expert_kernel_equals_grouped_in_the_engine(qwen_ckpt):
 def test_persistent_expert_kernel_needs_cuda_or_the_interpreter(qwen_ckpt):
     with pytest.raises(ValueError, match=r"rollout\.expert_kernel=persistent needs a CUDA device"):
         RolloutEngine.from_pretrained(qwen_ckpt, config=small_config(expert_kernel="persistent"))
+
+
+def test_a_launched_steps_outputs_are_refused_once_its_buffers_are_reused(qwen_ckpt):
+    """The runner stages and fetches through two host buffer sets taken in turn: a step's outputs stay readable
+    until the launch after the next one, and asking later is an error, not another step's numbers."""
+    from rollout.runner import StepInputs
+
+    engine = RolloutEngine.from_pretrained(qwen_ckpt, config=small_config())
+    row = engine.cache.table.padding_row  # the all-null row: the step writes no sequence's K/V
+
+    def one_token(token: int) -> StepInputs:
+        return StepInputs(
+            tokens_T4=np.array([[token, 0, row, 0]], dtype=np.int64),
+            num_decode=0,
+            pieces=[(0, 1)],
+            samples_S=np.array([0]),
+            seeds_S=np.array([1], dtype=np.uint64),
+            top_k_S=np.array([0]),
+            temperature_S=np.array([0.0], dtype=np.float32),
+            top_p_S=np.array([1.0], dtype=np.float32),
+        )
+
+    first, second, third = (engine.runner.launch(one_token(t)) for t in (5, 6, 5))
+    with pytest.raises(RuntimeError, match="reused its buffers"):
+        first.outputs()
+    assert second.outputs().routes_TLK.shape == (1, engine.spec.num_moe_layers, engine.spec.top_k)
+    lp = third.outputs().logprobs_S.copy()
+    np.testing.assert_array_equal(lp, engine.runner.run(one_token(5)).logprobs_S)
