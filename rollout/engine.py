@@ -158,9 +158,7 @@ class _Request:
     # prompt + tokens drawn, the last one possibly still on the device (a step in flight sampled it): read several
     # times a step per request, so kept, not recounted
     length: int = 0
-    max_length: int = (
-        0  # prompt + max_new_tokens: every token is drawn once length reaches it (or it finished)
-    )
+    max_length: int = 0  # prompt + max_new_tokens
     # the launch that drew the request's last token, and the token's index among that launch's samples
     drawn_at: int = -1
     drawn_index: int = -1
@@ -174,6 +172,11 @@ class _Request:
         """Positions to prefill before decoding: the prompt, or after a preemption every token but the last
         (which the next decode step feeds)."""
         return self.length - 1 if self.length > len(self.prompt) else len(self.prompt)
+
+    @property
+    def all_drawn(self) -> bool:
+        """No token left to draw: the response ended, or max_new_tokens are drawn (read or still on the device)."""
+        return self.finish_reason is not None or self.length >= self.max_length
 
     @property
     def decoding(self) -> bool:
@@ -451,8 +454,8 @@ class RolloutEngine:
             launched = self.runner.launch(inputs)
         else:
             t0 = time.perf_counter()
-            launched = _Ran(self.runner.run(inputs), 0.0)
-            launched.seconds = time.perf_counter() - t0
+            out = self.runner.run(inputs)
+            launched = _Ran(out, time.perf_counter() - t0)
         captured = self.runner.num_graphs != graphs  # its time holds the capture (many steps' worth)
         first = log.reserve(inputs.num_tokens)
         draws = self._settle(step, launch, first, scheduler, done)
@@ -466,12 +469,12 @@ class RolloutEngine:
         total = n + sum(m for _, _, m in pieces)
         tok = np.empty((total, 4), dtype=np.int64)
         feed = None
-        if n and unread >= 0:
-            feed = np.fromiter((r.drawn_index if r.drawn_at == unread else -1 for r in decode), np.int64, n)
-            tok[:n, TOKEN] = [r.tokens[-1] if r.drawn_at != unread else 0 for r in decode]
-        elif n:
-            tok[:n, TOKEN] = [r.tokens[-1] for r in decode]
         if n:
+            tok[:n, TOKEN] = [r.tokens[-1] if r.drawn_at != unread else 0 for r in decode]
+            if unread >= 0:
+                feed = np.fromiter(
+                    (r.drawn_index if r.drawn_at == unread else -1 for r in decode), np.int64, n
+                )
             tok[:n, POSITION] = np.fromiter((r.length - 1 for r in decode), np.int64, n)
             tok[:n, SEQ] = np.fromiter((r.row for r in decode), np.int64, n)
         spans, offset = [], n
@@ -495,12 +498,7 @@ class RolloutEngine:
             top_k_S=np.fromiter((r.params.top_k for r in sampled), np.int64, len(sampled)),
             # a request with every token drawn rides along only to record its last token's experts: greedy
             temperature_S=np.fromiter(
-                (
-                    0.0 if r.finish_reason is not None or r.length >= r.max_length else r.params.temperature
-                    for r in sampled
-                ),
-                np.float32,
-                len(sampled),
+                (0.0 if r.all_drawn else r.params.temperature for r in sampled), np.float32, len(sampled)
             ),
             top_p_S=np.fromiter((r.params.top_p for r in sampled), np.float32, len(sampled)),
             feed_D=feed,
@@ -517,9 +515,7 @@ class RolloutEngine:
             n = r.length
             r.record(n - 1, first + i, 1)
             r.num_cached = n
-            if (
-                r.finish_reason is not None or n >= r.max_length
-            ):  # all drawn: fed its last token to record its experts
+            if r.all_drawn:  # fed its last token only to record that token's experts
                 scheduler.retire(r)
                 done.append(r)
             else:
@@ -541,9 +537,8 @@ class RolloutEngine:
     ) -> None:
         """Read a launched step's outputs: its routes, the tokens it drew (ending responses), its counts."""
         out = f.launched.outputs()
-        log.fill(
-            f.first_row, out.routes_TLK.astype(self.route_dtype)
-        )  # copies: the runner reuses its buffers
+        # astype copies: the runner reuses its output buffers
+        log.fill(f.first_row, out.routes_TLK.astype(self.route_dtype))
         tokens, logprobs = out.tokens_S.tolist(), out.logprobs_S.tolist()
         for r, j in f.draws:
             if r.finish_reason is not None:  # an earlier draw ended the response: this one is dropped
@@ -619,7 +614,7 @@ class RolloutEngine:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Ran:
     """A step a runner without `launch` ran to its end (`seconds`: host-timed)."""
 
