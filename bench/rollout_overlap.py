@@ -7,7 +7,8 @@ One engine (random weights at Qwen3-30B-A3B's widths with `--layers` layers, or 
 temperature 1, ignore_eos, B requests of `--prompt-len` random tokens and `--new-tokens` new ones, for each B of
 `--batches`. The same generate call runs with `rollout.overlap_steps` on and off, alternated `--repeats` times
 after a warm-up call of each (which captures the CUDA graphs). Both schedule the same steps, so the difference
-is the host's work between steps that overlap hides. Reported per B, medians over the repeats: wall seconds and
+is the host's work between steps that overlap hides (the last column checks that every run, overlapped or not,
+drew the same tokens). Reported per B, medians over the repeats: wall seconds and
 tokens/s of each, their ratio, and the device's time of the overlapped run's steps (events around each step),
 the wall time that overlap could reach if it hid every host second.
 """
@@ -54,11 +55,12 @@ def measure(engine: RolloutEngine, batch: int, args: argparse.Namespace) -> dict
             wall = time.perf_counter() - t0
             st = engine.last_stats
             if repeat:  # the first round captures the graphs
+                tokens = [tuple(o.token_ids) for o in outs]
                 runs[overlap].append(
-                    dict(wall_s=wall, steps_s=st.prefill_s + st.decode_s, steps=st.num_steps, tokens=outs)
+                    dict(wall_s=wall, steps_s=st.prefill_s + st.decode_s, steps=st.num_steps, tokens=tokens)
                 )
-    tokens = {o: [tuple(t.token_ids) for t in runs[o][0]["tokens"]] for o in runs}
-    row = {"batch": batch, "same_tokens": tokens[True] == tokens[False], "steps": runs[True][0]["steps"]}
+    every = [r["tokens"] for rs in runs.values() for r in rs]
+    row = {"batch": batch, "same_tokens": all(t == every[0] for t in every), "steps": runs[True][0]["steps"]}
     for overlap, name in ((True, "overlapped"), (False, "waited")):
         wall = statistics.median(r["wall_s"] for r in runs[overlap])
         row[f"{name}_s"] = wall
